@@ -1,0 +1,1009 @@
+#!/usr/bin/env python3
+"""Supervised fine-tuning of a causal LM with plain PyTorch FSDP2: one file, launched by torchrun.
+
+Default job: Qwen/Qwen3.8-27B (model_type qwen3_5, a hybrid of Gated DeltaNet linear-attention layers and a
+gated full-attention layer every fourth layer) on UltraChat 200k `train_sft`, one pass, 32,768-token packed
+blocks, loss on assistant tokens only, one 8xB300 node.
+
+The file runs these phases, in this order:
+  1. configuration  one dataclass; overrides from $HYPERPARAMETERS_PATH, then --config FILE.yaml, then --key value
+  2. distributed    rank / local rank / world size from the environment (torchrun or a notebook decorator)
+  3. data           read this rank's shard -> render the chat template -> mask all but assistant turns ->
+                    pack whole conversations into blocks (best-fit decreasing) -> block-diagonal signals
+  4. model          load, use_cache=False, activation checkpointing, fully_shard each decoder layer, then root
+  5. training       global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay
+  6. main           train(config) for notebooks, main() for torchrun
+
+Launch:
+  GPU node:   torchrun --nproc_per_node=8 train.py                       (the default job)
+  multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \
+                       --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py --config job.yaml
+  CPU smoke:  torchrun --nproc_per_node=2 train.py --config examples/cpu_smoke.yaml
+  look at the data only (tokenizer needed, no model weights): python train.py --inspect 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. Configuration
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    # Model. Revisions are pinned so runs stay comparable as hub repos move ("" = latest).
+    model_name: str = "Qwen/Qwen3.8-27B"  # hub name or local directory
+    model_revision: str = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
+    tokenizer_name: str = ""  # "" = model_name
+    attn_implementation: str = "auto"  # auto | flash_attention_2 | torch_varlen | sdpa | eager
+    param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters (weights are kept in fp32)
+    activation_checkpointing: bool = True
+    # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
+    dataset_name: str = "HuggingFaceH4/ultrachat_200k"
+    dataset_revision: str = "8049631c405ae6576f93f445c6b8166f76f5505a"
+    dataset_split: str = "train_sft"
+    messages_column: str = "messages"
+    eval_split: str = ""  # held-out data: a split of dataset_name (e.g. test_sft) or a local file; "" = no eval
+    eval_blocks: int = 8  # eval blocks per rank
+    max_seq_len: int = 32768  # tokens per packed block
+    pack_buffer_blocks: int = 64  # best-fit-decreasing packs this many blocks' worth of conversations at a time
+    num_workers: int = 1  # DataLoader worker processes per rank (0 = pack in the training process)
+    # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
+    learning_rate: float = 1e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1
+    epochs: int = 1
+    max_steps: int = 0  # > 0: stop after this many optimizer steps (and skip the counting pass)
+    warmup_steps: int = 10
+    lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup
+    min_lr_ratio: float = 0.1  # the decay ends at learning_rate * min_lr_ratio
+    loss_chunk_tokens: int = 4096  # cross-entropy is computed this many loss tokens at a time
+    # Bookkeeping
+    output_dir: str = "outputs/sft"
+    log_every: int = 10
+    eval_every: int = 0  # 0 = evaluate only at the end (when eval_split is set)
+    seed: int = 0
+
+
+def _field_types() -> dict[str, type]:
+    return {f.name: type(f.default) for f in dataclasses.fields(Config)}
+
+
+def _checked(key: str, value, source: str):
+    """Returns value as the field's type, or raises naming the key and where it came from."""
+    types = _field_types()
+    if key not in types:
+        raise ValueError(f"unknown configuration key {key!r} (from {source}); valid keys: {', '.join(types)}")
+    want = types[key]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # YAML reads 1 as int; a float field takes it
+    if type(value) is not want:
+        raise ValueError(f"configuration key {key!r} (from {source}) must be {want.__name__}, got {value!r}")
+    return value
+
+
+def _yaml_overrides(path: str, source: str) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
+    return {k: _checked(k, v, f"{source} {path}") for k, v in data.items()}
+
+
+def parse_args(argv: list[str]) -> tuple[Config, dict]:
+    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value (later wins).
+
+    Returns (config, modes); modes holds the flags that are not configuration: inspect, inspect_out.
+    Values given as flags are parsed as YAML scalars, so `--learning_rate 2e-5` is a float.
+    """
+    overrides, modes, config_file = {}, {"inspect": 0, "inspect_out": ""}, None
+    if os.environ.get("HYPERPARAMETERS_PATH"):
+        overrides.update(_yaml_overrides(os.environ["HYPERPARAMETERS_PATH"], "HYPERPARAMETERS_PATH"))
+    flags, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; flags are --key value")
+        key, _, value = arg[2:].partition("=")
+        if not _:
+            if i + 1 >= len(argv):
+                raise ValueError(f"flag --{key} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        key = key.replace("-", "_")
+        if key == "config":
+            config_file = value
+        elif key == "inspect":
+            modes["inspect"] = int(value)
+        elif key == "inspect_out":
+            modes["inspect_out"] = value
+        else:
+            flags[key] = _checked(key, yaml.safe_load(value) if value != "" else "", "command line")
+    if config_file:
+        overrides.update(_yaml_overrides(config_file, "--config"))
+    overrides.update(flags)
+    return dataclasses.replace(Config(), **overrides), modes
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Settings that cannot work fail here, before anything is loaded."""
+    checks = [
+        (cfg.max_seq_len >= 16, "max_seq_len must be at least 16"),
+        (cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
+        (cfg.epochs >= 1, "epochs must be >= 1"),
+        (cfg.lr_schedule in ("cosine", "linear", "constant"), "lr_schedule must be cosine, linear or constant"),
+        (cfg.param_dtype in ("bfloat16", "float32"), "param_dtype must be bfloat16 or float32"),
+        (cfg.attn_implementation in ATTENTION_BACKENDS, f"attn_implementation must be one of {ATTENTION_BACKENDS}"),
+        (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
+        (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
+        (world_size >= 1, "WORLD_SIZE must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"bad configuration: {message}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. Distributed setup
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+
+def setup_distributed() -> Dist:
+    """Reads RANK/LOCAL_RANK/WORLD_SIZE (set by torchrun, or by a notebook's @distributed decorator) and joins
+    the process group: NCCL on GPUs, gloo on CPU. A plain `python train.py` runs as a world of one."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if backend == "nccl" else None)
+    return Dist(rank, local_rank, world_size, device, owns_group)
+
+
+def print0(rank: int, *args) -> None:
+    if rank == 0:
+        print(*args, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3. Data: read this rank's shard, mask assistant turns, pack whole conversations into blocks
+# ------------------------------------------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, skips: Counter):
+    """Yields the records of one disjoint shard: record i belongs to shard i % num_shards.
+
+    Every shard reads the whole stream and keeps its own records (as `split_dataset_by_node` does for a
+    stream whose file count the shard count does not divide), so the split is exact for any source.
+    """
+    path = Path(source)
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for index, line in enumerate(f):
+                if index % num_shards != shard:
+                    continue
+                try:
+                    yield json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    skips["unreadable line"] += 1
+        return
+    from datasets import load_dataset  # imported here: --inspect on a .jsonl file does not need it
+
+    if path.suffix in (".json", ".parquet"):
+        stream = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
+    else:
+        stream = load_dataset(source, split=split, streaming=True, revision=revision or None)
+    for index, record in enumerate(stream):
+        if index % num_shards == shard:
+            yield record
+
+
+def conversation_problem(messages) -> str | None:
+    """The reason a conversation cannot be trained on, or None. Reasons are counted, not raised."""
+    if not isinstance(messages, list) or not messages:
+        return "messages not a non-empty list"
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            return "unknown role"
+        if not isinstance(m.get("content"), str) or not m["content"].strip():
+            return "empty or non-string content"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    return None
+
+
+class AssistantMasker:
+    """Tokenizes a conversation with its chat template and marks exactly the assistant turns' tokens.
+
+    Method: render the conversation twice, once as is and once with every message's content replaced by a
+    placeholder. The placeholder rendering is the template's skeleton; it tells where each content sits. The
+    real rendering must equal the skeleton with each placeholder replaced by the content (as given, or
+    stripped, as many templates trim); if it does not (the template rewrote a content, for example split off a
+    `</think>` section), the conversation is skipped and counted, never trained on a guessed mask.
+    The loss span of an assistant turn runs from its content's first character through the first special
+    token that follows it (the end-of-turn token: <|im_end|>, <|eot_id|>, ...), tool-call text in between
+    included. The span must start and end on token boundaries.
+
+    The empty think block: Qwen3/3.5 templates put `<think>\n\n</think>\n\n` before the content of the
+    assistant turns after the last user message only, and before the content, so it is outside the span and
+    not trained. That is deliberate: with thinking off the template puts the same text in the prompt, so
+    the model never generates it, and training the model to emit an empty think block would teach it to skip
+    reasoning when thinking is on. Every assistant turn is then trained the same way, wherever it sits.
+    """
+
+    def __init__(self, tokenizer):
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat_template; set tokenizer_name to one that has")
+        self.tok = tokenizer
+        self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
+
+    def __call__(self, messages: list[dict]) -> tuple[list[int], list[bool]] | str:
+        """Returns (token ids, loss mask) or the reason the conversation is skipped."""
+        text = self.tok.apply_chat_template(messages, tokenize=False)
+        holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        skeleton = self.tok.apply_chat_template(
+            [{"role": m["role"], "content": h} for m, h in zip(messages, holders)], tokenize=False
+        )
+        spans, pos, rest = [], 0, skeleton
+        for m, holder in zip(messages, holders):
+            before, found, rest = rest.partition(holder)
+            if not found or not text.startswith(before, pos):
+                return "template renders content-dependently"
+            pos += len(before)
+            after = rest.split("\ue000", 1)[0]  # skeleton text up to the next placeholder
+            content = next((c for c in (m["content"], m["content"].strip()) if text.startswith(c + after, pos)), None)
+            if content is None:
+                return "template renders content-dependently"
+            if m["role"] == "assistant":
+                eot = min((i for i in (after.find(s) for s in self.special) if i >= 0), default=-1)
+                if eot < 0:
+                    return "no end-of-turn token after an assistant turn"
+                eot_len = max(len(s) for s in self.special if after.startswith(s, eot))
+                spans.append((pos, pos + len(content) + eot + eot_len))
+            pos += len(content)
+        if text[pos:] != rest:
+            return "template renders content-dependently"
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        mask = [any(a <= start and end <= b for a, b in spans) for start, end in offsets]
+        starts = {start for start, _ in offsets}
+        ends = {end for _, end in offsets}
+        if any(a not in starts or b not in ends for a, b in spans):
+            return "assistant span not on token boundaries"
+        return ids, mask
+
+
+def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
+    """Yields (ids, mask) per trainable conversation; counts every skip by reason and every truncation."""
+    for record in records:
+        if not isinstance(record, dict) or cfg.messages_column not in record:
+            counts[f"missing column {cfg.messages_column!r}"] += 1
+            continue
+        messages = record[cfg.messages_column]
+        result = conversation_problem(messages) or masker(messages)
+        if isinstance(result, str):
+            counts[result] += 1
+            continue
+        ids, mask = result
+        if len(ids) > cfg.max_seq_len:
+            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+            counts["truncated"] += 1
+            if not any(mask[1:]):
+                counts["no loss tokens after truncation"] += 1
+                continue
+        counts["conversations"] += 1
+        yield ids, mask
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each bin's lengths summing to <= capacity. Longest first, each into the fullest
+    bin it still fits (best fit); within 11/9 of the optimal bin count. Every length must be <= capacity."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: room[b])
+            bins[b].append(i)
+            room[b] -= lengths[i]
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad_id: int) -> dict:
+    """One packed block from whole conversations, with the signals that keep them apart.
+
+    Worked example, segments of 3 and 2 tokens, block_len 7 (2 tokens of padding, a segment of its own):
+      position_ids [0 1 2 0 1 0 1]   cu_seqlens [0 3 5 7]   seq_idx [0 0 0 1 1 2 2]   max_length 3
+      labels: the token where the mask is set, else -100; always -100 on each segment's first token (its
+      causal target would come from the previous segment) and on padding.
+    """
+    ids, labels, positions, seq_idx, bounds = [], [], [], [], [0]
+    for n, (seg_ids, seg_mask) in enumerate(segments):
+        ids += seg_ids
+        labels += [-100] + [t if m else -100 for t, m in zip(seg_ids[1:], seg_mask[1:])]
+        positions += range(len(seg_ids))
+        seq_idx += [n] * len(seg_ids)
+        bounds.append(len(ids))
+    pad = block_len - len(ids)
+    assert pad >= 0, "segments longer than the block"
+    if pad:
+        ids += [pad_id] * pad
+        labels += [-100] * pad
+        positions += range(pad)
+        seq_idx += [len(segments)] * pad
+        bounds.append(block_len)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "labels": torch.tensor([labels]),
+        "position_ids": torch.tensor([positions]),
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+        "max_length": max(b - a for a, b in zip(bounds, bounds[1:])),
+        "seq_idx": torch.tensor([seq_idx], dtype=torch.int32),
+        "tokens": block_len - pad,  # tokens that are not padding
+        "loss_tokens": sum(label != -100 for label in labels),
+        "sum_sq_len": sum(len(seg_ids) ** 2 for seg_ids, _ in segments),  # for the attention FLOPs
+    }
+
+
+class PackedBlocks(IterableDataset):
+    """This rank's packed blocks, `epochs` passes over its shard, for a DataLoader with batch_size=None.
+
+    Shards are disjoint per (rank, DataLoader worker). Each worker fills a buffer with pack_buffer_blocks
+    blocks' worth of conversations, packs it by best-fit decreasing, and yields its blocks in a seeded random
+    order (the packer emits the longest conversations first). Nothing carries over between buffers.
+    Each block carries its stream's running counts (conversations, skips by reason, truncations).
+    """
+
+    def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int):
+        self.cfg, self.tok, self.split = cfg, tokenizer, split
+        self.rank, self.world_size, self.epochs = rank, world_size, epochs
+
+    def __iter__(self):
+        cfg, worker = self.cfg, get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        shard, num_shards = self.rank * num_workers + worker_id, self.world_size * num_workers
+        source, split = (self.split, "") if Path(self.split).suffix else (cfg.dataset_name, self.split)
+        masker, counts = AssistantMasker(self.tok), Counter()
+        pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        for epoch in range(self.epochs):
+            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, counts)
+            buffer, buffered, n_buffer = [], 0, 0
+            for example in tokenize_stream(records, masker, cfg, counts):
+                buffer.append(example)
+                buffered += len(example[0])
+                if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
+                    yield from self._pack(buffer, pad_id, counts, shard, (cfg.seed, epoch, n_buffer))
+                    buffer, buffered, n_buffer = [], 0, n_buffer + 1
+            yield from self._pack(buffer, pad_id, counts, shard, (cfg.seed, epoch, n_buffer))
+
+    def _pack(self, buffer, pad_id, counts, shard, seed):
+        bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
+        random.Random(str((shard, *seed))).shuffle(bins)
+        for members in bins:
+            block = make_block([buffer[i] for i in members], self.cfg.max_seq_len, pad_id)
+            block["counts"], block["stream"] = dict(counts), shard
+            yield block
+
+
+def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int) -> DataLoader:
+    blocks = PackedBlocks(cfg, tokenizer, split, rank, world_size, epochs)
+    # Workers pack while the GPU trains. Each worker is its own shard: the DataLoader takes blocks from the
+    # workers in turn and goes on with the others when one runs out.
+    extra = {"prefetch_factor": 4, "persistent_workers": False} if cfg.num_workers else {}
+    return DataLoader(
+        blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(), **extra
+    )
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer_name or cfg.model_name
+    revision = cfg.model_revision if not cfg.tokenizer_name and not Path(name).exists() else None
+    return AutoTokenizer.from_pretrained(name, revision=revision or None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 4. Model: load, check kernels, activation checkpointing, FSDP2
+# ------------------------------------------------------------------------------------------------------------
+
+ATTENTION_BACKENDS = ("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager")
+# Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
+
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function over PyTorch's own varlen flash kernel (no flash-attn build needed).
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]. Segments come from cu_seq_lens_q;
+    the attention mask is unused (transformers builds none for a name without a registered mask function).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    assert dropout == 0.0, "torch_varlen has no dropout"
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
+    return out.unsqueeze(0), None
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """auto: flash-attn if installed; else on CUDA PyTorch's varlen flash kernel; else sdpa, for which
+    transformers derives the block-diagonal mask from the reset position_ids (only without a cache)."""
+    import importlib.util
+
+    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
+    if requested == "flash_attention_2" and not has_flash_attn:
+        raise RuntimeError(
+            "attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
+            "--no-build-isolation, or use torch_varlen (CUDA) / sdpa"
+        )
+    if requested == "torch_varlen":
+        if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            raise RuntimeError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("torch_varlen", torch_varlen_attention)
+    return requested
+
+
+def require_kernels(config) -> None:
+    """Hybrid models (any linear_attention layer) need the fused kernels: without them transformers either
+    refuses the packed signals deep inside the first forward or, given position_ids alone, silently lets the
+    recurrent and convolution state flow from one packed conversation into the next."""
+    import importlib.util
+
+    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
+        return
+    needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+    missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise RuntimeError(
+            f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
+            "pip install flash-linear-attention, and build causal-conv1d against your torch "
+            "(see workload.yaml)"
+        )
+
+
+def load_model(cfg: Config, attn: str):
+    """The pretrained model in fp32 (master weights) with use_cache off. VLM-layout checkpoints such as qwen3_5
+    load with their image-text class, so every tensor of the checkpoint is kept."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    revision = cfg.model_revision if not Path(cfg.model_name).exists() else None
+    config = AutoConfig.from_pretrained(cfg.model_name, revision=revision)
+    require_kernels(config)
+    # use_cache=False on the config and the text config: with a cache, transformers does not derive the
+    # block-diagonal mask from position_ids and packed conversations attend to each other.
+    config.use_cache = False
+    config.get_text_config().use_cache = False
+    image_text = type(config) in AutoModelForImageTextToText._model_mapping
+    model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    return model_class.from_pretrained(
+        cfg.model_name, revision=revision, config=config, attn_implementation=attn, dtype=torch.float32
+    )
+
+
+def shard_model(model, cfg: Config, device: torch.device):
+    """Activation checkpointing, then fully_shard each decoder layer, then the root (which keeps the
+    embeddings, final norm, LM head and any vision tower). Parameters are all-gathered in param_dtype;
+    gradients are reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if cfg.activation_checkpointing:
+        # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
+        # all-gather its parameters a second time outside FSDP's bookkeeping.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=torch.float32)
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # token_losses calls the decoder and the LM head directly, not model.forward; registering it makes FSDP
+    # all-gather the root's parameters around it as it does around forward.
+    model.token_losses = token_losses.__get__(model)
+    register_fsdp_forward_method(model, "token_losses")
+    return model
+
+
+def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) at the block's loss positions, in the order they appear.
+
+    The LM head runs only on positions whose next token is a loss target, chunk_tokens at a time, each chunk
+    recomputed in backward: the full-vocabulary logits of a 32k block (248,320 columns, 16 GB in bf16) are
+    never formed. The hidden state at t predicts labels[t + 1] (labels follow the Hugging Face convention).
+    """
+    hidden = model.model(
+        input_ids=block["input_ids"],
+        position_ids=block["position_ids"],  # full attention: rotary positions, and sdpa's block mask
+        cu_seq_lens_q=block["cu_seqlens"],  # varlen attention and the gated-delta rule
+        cu_seq_lens_k=block["cu_seqlens"],
+        max_length_q=block["max_length"],
+        max_length_k=block["max_length"],
+        seq_idx=block["seq_idx"],  # causal-conv1d
+        use_cache=False,
+    ).last_hidden_state[0]
+    targets = block["labels"][0, 1:]
+    where = (targets != -100).nonzero().squeeze(1)
+    head = model.get_output_embeddings()
+
+    def chunk_loss(h, y):
+        return F.cross_entropy(head(h).float(), y, reduction="none")
+
+    # An empty `where` still gives one empty chunk, so a block without loss tokens keeps the graph (and
+    # FSDP's backward hooks) connected: its loss is an exact 0, never a NaN.
+    return torch.cat(
+        [checkpoint(chunk_loss, hidden[idx], targets[idx], use_reentrant=False) for idx in where.split(chunk_tokens)]
+    )
+
+
+def matmul_params(model) -> int:
+    """Parameters that cost 2 FLOPs per token each forward: the decoder layers and the LM head."""
+    layers = sum(p.numel() for p in model.get_decoder().layers.parameters())
+    return layers + model.get_output_embeddings().weight.numel()
+
+
+def attention_flops_per_sq_token(model) -> int:
+    """Training FLOPs per (segment length)^2 of the full-attention layers: causal QK^T and PV are
+    2 * L^2 * heads * head_dim each over half the square, forward + backward = 3x forward: 6 * heads * dim.
+    Gated DeltaNet's state updates (4 * d_k * d_v per head and token) are left out: under 0.5% at 27B."""
+    text = model.config.get_text_config()
+    full = sum(
+        t != "linear_attention" for t in (getattr(text, "layer_types", None) or ["full"] * text.num_hidden_layers)
+    )
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 6 * full * text.num_attention_heads * head_dim
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 5. Training
+# ------------------------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
+    """Linear warmup to learning_rate over warmup_steps, then cosine or linear decay to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def to_device(block: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
+
+
+def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
+    """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
+    the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
+    per-rank block count and the packing statistics summed over ranks."""
+    blocks, tokens, loss_tokens, counts = 0, 0, 0, {}
+    for block in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
+        blocks += 1
+        tokens += block["tokens"]
+        loss_tokens += block["loss_tokens"]
+        counts[block["stream"]] = block["counts"]
+    totals = [None] * d.world_size
+    dist.all_gather_object(totals, (blocks, tokens, loss_tokens, _sum_counts(counts.values())))
+    stats = packing_stats(
+        cfg,
+        [t[0] for t in totals],
+        sum(t[1] for t in totals),
+        sum(t[2] for t in totals),
+        _sum_counts(t[3] for t in totals),
+    )
+    return max(t[0] for t in totals), stats
+
+
+def _sum_counts(counters) -> Counter:
+    total = Counter()
+    for c in counters:
+        total.update(c)
+    return total
+
+
+def packing_stats(cfg: Config, blocks_per_rank: list[int], tokens: int, loss_tokens: int, counts: Counter) -> dict:
+    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
+    skipped = {k: v for k, v in counts.items() if k not in ("conversations", "truncated")}
+    return {
+        "blocks": sum(blocks_per_rank),
+        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
+        "conversations": counts["conversations"],
+        "non_padding_fraction": round(tokens / capacity, 4),
+        "loss_token_fraction": round(loss_tokens / capacity, 4),
+        "truncated": counts["truncated"],
+        "skipped": sum(skipped.values()),
+        "skipped_by_reason": skipped,
+    }
+
+
+class MetricsLog:
+    """Rank 0 prints one fixed-field line per log interval and appends the same record to metrics.jsonl."""
+
+    def __init__(self, cfg: Config, d: Dist):
+        self.rank = d.rank
+        self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        self.peak = next(
+            (
+                v
+                for k, v in PEAK_BF16_FLOPS.items()
+                if d.device.type == "cuda" and k in torch.cuda.get_device_name(d.device)
+            ),
+            None,
+        )
+
+    def write(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def step_line(self, r: dict) -> None:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        eta = str(timedelta(seconds=int(r["eta_s"])))
+        print0(
+            self.rank,
+            f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad {r['grad_norm']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | "
+            f"{r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/gpu | mfu {mfu} | "
+            f"mem {r['memory_gib']:.1f} GiB | eta {eta}",
+        )
+        self.write(r)
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def filler_block(pad_id: int) -> dict:
+    """What a rank whose data has run out feeds the model while other ranks still train: FSDP's collectives
+    need every rank in every forward and backward. It has no loss tokens, so its loss and gradient are 0."""
+    return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
+
+
+def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
+    """Forward (and backward when scale is given) over n_micro blocks, fillers after this rank's last one.
+    The backward loss is sum(per-token CE) * scale; returns the detached sum of per-token losses."""
+    loss_sum = torch.zeros((), device=d.device)
+    for i in range(n_micro):
+        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
+        losses = model.token_losses(block, cfg.loss_chunk_tokens)
+        if scale is not None:
+            (losses.sum() * scale).backward()
+        loss_sum += losses.detach().sum()
+    return loss_sum
+
+
+def global_counts(blocks: list[dict], d: Dist) -> tuple[int, int, int, int]:
+    """(most blocks on any rank, loss tokens, non-padding tokens, sum of squared segment lengths) over all
+    ranks. One small all-reduce per step: the loss normaliser must be known before the first backward."""
+    local = torch.tensor(
+        [[len(blocks), 0, 0, 0]] + [[0, b["loss_tokens"], b["tokens"], b["sum_sq_len"]] for b in blocks],
+        dtype=torch.float64,
+        device=d.device,
+    ).sum(0)
+    n_blocks = local[:1].clone()
+    dist.all_reduce(n_blocks, op=dist.ReduceOp.MAX)
+    dist.all_reduce(local)
+    return int(n_blocks), int(local[1]), int(local[2]), int(local[3])
+
+
+class Evaluator:
+    """Token-weighted loss on the first eval_blocks blocks of each rank's shard of the held-out data."""
+
+    def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
+        self.cfg, self.d, self.filler = cfg, d, filler
+        loader = block_loader(
+            dataclasses.replace(cfg, num_workers=0), tokenizer, cfg.eval_split, d.rank, d.world_size, epochs=1
+        )
+        self.blocks = []
+        for block in loader:
+            self.blocks.append(block)
+            if len(self.blocks) == cfg.eval_blocks:
+                break
+        n_blocks, self.loss_tokens, _, _ = global_counts(self.blocks, d)
+        self.n_micro = n_blocks
+        if self.loss_tokens == 0:
+            raise ValueError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
+
+    @torch.no_grad()
+    def __call__(self, model) -> float:
+        model.eval()
+        loss_sum = run_blocks(model, self.blocks, self.n_micro, self.filler, self.cfg, self.d, scale=None)
+        model.train()
+        dist.all_reduce(loss_sum)
+        return loss_sum.item() / self.loss_tokens
+
+
+def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log: MetricsLog, evaluator) -> dict:
+    """Each step takes gradient_accumulation_steps blocks per rank. The loss is the global token mean: every
+    rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all ranks) -- FSDP
+    averages gradients over ranks, so the world_size cancels and each loss token weighs the same wherever it
+    sits. A rank whose data runs out feeds fillers until every rank has; the loop ends when all have."""
+    from torch.distributed.tensor import DTensor
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    filler = filler_block(pad_id)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        fused=d.device.type == "cuda",
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    n_matmul, attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
+    # A generator, so that asking an exhausted rank for more blocks is safe however often it happens.
+    data = (b for b in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs))
+    stream_counts: dict[int, dict] = {}
+    window = Counter()  # since the last log line: loss sum, loss tokens, tokens, FLOPs, steps
+    window_loss = torch.zeros((), device=d.device)
+    result = {"steps": 0, "final_loss": None, "eval_loss": None}
+    start = last_log = time.perf_counter()
+    model.train()
+    step = 0
+    while step < total_steps:
+        blocks = []
+        for block in data:
+            stream_counts[block["stream"]] = block["counts"]
+            blocks.append(block)
+            if len(blocks) == cfg.gradient_accumulation_steps:
+                break
+        n_micro, loss_tokens, tokens, sum_sq = global_counts(blocks, d)
+        if n_micro == 0:
+            print0(d.rank, f"data exhausted on every rank after {step} of {total_steps} steps")
+            break
+        scale = d.world_size / max(loss_tokens, 1)
+        window_loss += run_blocks(model, blocks, n_micro, filler, cfg, d, scale)
+        if loss_tokens == 0:  # no rank had a loss token: nothing to learn from, and no division by zero
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window.update(
+            loss_tokens=loss_tokens, tokens=tokens, steps=1, flops=6 * n_matmul * tokens + attn_per_sq * sum_sq / 2
+        )
+        if step % cfg.log_every == 0 or step == total_steps:
+            dist.all_reduce(window_loss)  # .item() below is a sync point: only on logging steps
+            now = time.perf_counter()
+            seconds = now - last_log
+            record = {
+                "step": step,
+                "total_steps": total_steps,
+                "loss": window_loss.item() / max(window["loss_tokens"], 1),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s_per_gpu": window["tokens"] / seconds / d.world_size,
+                "loss_tokens_per_s_per_gpu": window["loss_tokens"] / seconds / d.world_size,
+                "mfu": window["flops"] / seconds / d.world_size / log.peak if log.peak else None,
+                "memory_gib": memory_gib(d.device),
+                "eta_s": (total_steps - step) * seconds / window["steps"],
+                "elapsed_s": now - start,
+            }
+            log.step_line(record)
+            result.update(steps=step, final_loss=record["loss"])
+            window, last_log = Counter(), now
+            window_loss.zero_()
+        if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+            run_eval(evaluator, model, step, log, result)
+    if evaluator:
+        run_eval(evaluator, model, step, log, result)
+    result["steps"] = step
+    result["data"] = _sum_counts(stream_counts.values())
+    return result
+
+
+def run_eval(evaluator, model, step: int, log: MetricsLog, result: dict) -> None:
+    loss = evaluator(model)
+    print0(log.rank, f"eval step {step} | loss {loss:.4f}")
+    log.write({"step": step, "eval_loss": loss})
+    result["eval_loss"] = loss
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 6. Entry points: train(config) for notebooks and torchrun, --inspect for the data alone
+# ------------------------------------------------------------------------------------------------------------
+
+
+def train(config: Config | dict | None = None) -> dict:
+    """Runs the whole job in this rank's process and returns {final_loss, eval_loss, steps, output_dir}.
+
+    torchrun calls it through main(); a notebook's @distributed function calls it directly in each rank's
+    process, with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* already set. A dict is checked key by key like a YAML
+    file. An existing process group is used and left open; one created here is destroyed here.
+    """
+    if not isinstance(config, Config):
+        config = dataclasses.replace(Config(), **{k: _checked(k, v, "train()") for k, v in (config or {}).items()})
+    cfg = config
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    d = setup_distributed()
+    try:
+        return _train(cfg, d)
+    finally:
+        if d.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, d: Dist) -> dict:
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
+    if d.rank == 0:
+        (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    tokenizer = load_tokenizer(cfg)
+    attn = resolve_attention(cfg.attn_implementation, d.device)
+
+    # The step count: max_steps if set; otherwise the counting pass packs the data once to count blocks.
+    stats = None
+    if cfg.max_steps > 0:
+        total_steps = cfg.max_steps
+    else:
+        t0 = time.perf_counter()
+        max_blocks, stats = count_blocks(cfg, tokenizer, d)
+        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
+        print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
+        if total_steps == 0:
+            raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
+
+    t0 = time.perf_counter()
+    model = shard_model(load_model(cfg, attn), cfg, d.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens_per_step = cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len
+    print0(
+        d.rank,
+        f"model: {model.config.model_type}, {n_params / 1e6:,.1f}M parameters, "
+        f"{len(model.get_decoder().layers)} decoder layers, attention {attn}, loaded and sharded over "
+        f"{d.world_size} ranks in {time.perf_counter() - t0:.0f}s",
+    )
+    print0(
+        d.rank,
+        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | "
+        f"tokens per step {tokens_per_step:,} | torch {torch.__version__} | "
+        f"transformers {transformers.__version__}",
+    )
+    log = MetricsLog(cfg, d)
+    if stats:
+        log.write({"step": 0, "packing": stats})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
+    result = training_loop(model, cfg, tokenizer, d, total_steps, log, evaluator)
+    data = [None] * d.world_size
+    dist.all_gather_object(data, result.pop("data"))
+    summary = {k: v for k, v in _sum_counts(data).items()}
+    print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
+    log.write({"step": result["steps"], "data_seen": summary})
+    return {**result, "output_dir": str(out)}
+
+
+def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:
+    """Prints this rank's first n packed blocks, loss spans marked with ⟦ ⟧, and their packing statistics.
+    Needs the tokenizer only: model_name may be a directory that holds nothing else."""
+    tokenizer = load_tokenizer(cfg)
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    blocks = PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, world_size, epochs=1)
+    shown, tokens, loss_tokens = [], 0, 0
+    for block in blocks:
+        if len(shown) == n:
+            break
+        shown.append(block)
+        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
+        bounds = block["cu_seqlens"].tolist()
+        print(
+            f"=== block {len(shown) - 1}: {len(bounds) - 1} segments, {block['tokens']} tokens, "
+            f"{block['loss_tokens']} loss tokens, max segment {block['max_length']}"
+        )
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            ids, labels = block["input_ids"][0, a:b].tolist(), block["labels"][0, a:b].tolist()
+            kind = "padding" if a >= block["tokens"] else "conversation"
+            print(f"--- segment {s} ({kind}): tokens {a}..{b - 1}, positions 0..{b - a - 1}")
+            if kind == "conversation":
+                print(mark_loss_spans(tokenizer, ids, labels))
+    if shown:
+        capacity = len(shown) * cfg.max_seq_len
+        counts = shown[-1]["counts"]
+        print(
+            f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
+            f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
+            f"skipped { ({k: v for k, v in counts.items() if k not in ('conversations', 'truncated')}) }"
+        )
+    if out_path:
+        with open(out_path, "w") as f:
+            for block in shown:
+                f.write(
+                    json.dumps(
+                        {k: block[k].tolist() for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")}
+                    )
+                    + "\n"
+                )
+
+
+def mark_loss_spans(tokenizer, ids: list[int], labels: list[int]) -> str:
+    """Decoded text with every run of loss tokens wrapped in ⟦ ⟧."""
+    text, run, in_loss = [], [], False
+    for token, label in zip(ids, labels):
+        if (label != -100) != in_loss and run:
+            text.append(tokenizer.decode(run) if not in_loss else f"⟦{tokenizer.decode(run)}⟧")
+            run = []
+        in_loss = label != -100
+        run.append(token)
+    if run:
+        text.append(tokenizer.decode(run) if not in_loss else f"⟦{tokenizer.decode(run)}⟧")
+    return "".join(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, modes = parse_args(sys.argv[1:] if argv is None else argv)
+    if modes["inspect"]:
+        validate(cfg, 1)
+        inspect_blocks(cfg, modes["inspect"], modes["inspect_out"])
+        return
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
