@@ -98,8 +98,11 @@ def _checked(key: str, value, source: str):
     if key not in types:
         raise ValueError(f"unknown configuration key {key!r} (from {source}); valid keys: {', '.join(types)}")
     want = types[key]
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)  # YAML reads 1 as int; a float field takes it
+    if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # YAML reads 1 as an int and 1e-5 (no dot) as a string; a float field takes both
+            value = float(value)
+        except ValueError:
+            pass
     if type(value) is not want:
         raise ValueError(f"configuration key {key!r} (from {source}) must be {want.__name__}, got {value!r}")
     return value
@@ -799,7 +802,7 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
     result = {"steps": 0, "final_loss": None, "eval_loss": None}
     start = last_log = time.perf_counter()
     model.train()
-    step = 0
+    step = blocks_trained = 0
     while step < total_steps:
         blocks = []
         for block in data:
@@ -807,6 +810,7 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
             blocks.append(block)
             if len(blocks) == cfg.gradient_accumulation_steps:
                 break
+        blocks_trained += len(blocks)
         n_micro, loss_tokens, tokens, sum_sq = global_counts(blocks, d)
         if n_micro == 0:
             print0(d.rank, f"data exhausted on every rank after {step} of {total_steps} steps")
@@ -852,6 +856,7 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
         run_eval(evaluator, model, step, log, result)
     result["steps"] = step
     result["data"] = _sum_counts(stream_counts.values())
+    result["data"]["blocks"] = blocks_trained
     return result
 
 
@@ -934,7 +939,7 @@ def _train(cfg: Config, d: Dist) -> dict:
     result = training_loop(model, cfg, tokenizer, d, total_steps, log, evaluator)
     data = [None] * d.world_size
     dist.all_gather_object(data, result.pop("data"))
-    summary = {k: v for k, v in _sum_counts(data).items()}
+    summary = dict(_sum_counts(data))
     print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
     log.write({"step": result["steps"], "data_seen": summary})
     return {**result, "output_dir": str(out)}

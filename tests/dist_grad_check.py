@@ -1,0 +1,27 @@
+"""Run by tests/test_distributed.py under torchrun: one accumulation step of the recipe's FSDP2 path over
+blocks that the test assigns per rank; rank 0 saves the all-reduced loss and the full gradients."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train  # noqa: E402
+
+model_dir, blocks_file, out_file = sys.argv[1:4]
+d = train.setup_distributed()
+cfg = train.Config(model_name=model_dir, model_revision="", param_dtype="float32", activation_checkpointing=True)
+model = train.shard_model(train.load_model(cfg, "sdpa"), cfg, d.device)
+per_rank = json.loads(Path(blocks_file).read_text())
+blocks = [train.make_block(segments, length, pad_id=0) for segments, length in per_rank[d.rank]]
+n_micro, loss_tokens, _, _ = train.global_counts(blocks, d)
+filler = train.filler_block(0)
+loss_sum = train.run_blocks(model, blocks, n_micro, filler, cfg, d, scale=d.world_size / loss_tokens)
+dist.all_reduce(loss_sum)
+grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+if d.rank == 0:
+    torch.save({"loss": loss_sum.item() / loss_tokens, "grads": grads, "n_micro": n_micro}, out_file)
+dist.destroy_process_group()

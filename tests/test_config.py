@@ -1,0 +1,97 @@
+import pytest
+
+import train
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_seed_job():
+    cfg = train.Config()
+    assert (cfg.model_name, cfg.dataset_name, cfg.dataset_split) == (
+        "Qwen/Qwen3.8-27B",
+        "HuggingFaceH4/ultrachat_200k",
+        "train_sft",
+    )
+    assert (cfg.max_seq_len, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2) == (32768, 1e-5, 0.9, 0.95)
+    assert (cfg.weight_decay, cfg.epochs) == (0.0, 1)
+
+
+def test_precedence_parameters_then_config_file_then_flags(tmp_path, monkeypatch):
+    params = write(tmp_path / "params.yaml", "learning_rate: 0.001\nmax_steps: 5\nseed: 3\n")
+    config = write(tmp_path / "job.yaml", "max_steps: 7\nseed: 4\n")
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", params)
+    cfg, _ = train.parse_args(["--config", config, "--seed", "9"])
+    assert (cfg.learning_rate, cfg.max_steps, cfg.seed) == (0.001, 7, 9)
+    cfg, _ = train.parse_args(["--seed=11", "--config", config])  # flags win wherever they stand
+    assert cfg.seed == 11
+
+
+def test_flag_values_are_typed(monkeypatch):
+    monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
+    cfg, modes = train.parse_args(["--learning_rate", "2e-5", "--activation_checkpointing", "false", "--inspect", "3"])
+    assert cfg.learning_rate == 2e-5 and cfg.activation_checkpointing is False and modes["inspect"] == 3
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", "learning_rate: 1e-5\n"))
+    assert train.parse_args([])[0].learning_rate == 1e-5
+
+
+def test_int_is_accepted_for_a_float_field(monkeypatch):
+    monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
+    cfg, _ = train.parse_args(["--max_grad_norm", "2"])
+    assert cfg.max_grad_norm == 2.0 and isinstance(cfg.max_grad_norm, float)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--learning_rat", "1e-5"], "unknown configuration key 'learning_rat'"),
+        (["--max_steps", "ten"], "'max_steps' (from command line) must be int"),
+        (["--epochs", "1.5"], "'epochs' (from command line) must be int"),
+        (["--activation_checkpointing", "maybe"], "'activation_checkpointing' (from command line) must be bool"),
+    ],
+)
+def test_bad_flags_name_the_key(args, message, monkeypatch):
+    monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
+    with pytest.raises(ValueError) as err:
+        train.parse_args(args)
+    assert message in str(err.value)
+
+
+def test_bad_parameters_file_names_the_key_and_the_file(tmp_path, monkeypatch):
+    params = write(tmp_path / "params.yaml", "per_device_batch_size: 4\n")
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", params)
+    with pytest.raises(ValueError, match=r"unknown configuration key 'per_device_batch_size' \(from HYPERPARAMETERS"):
+        train.parse_args([])
+
+
+def test_train_rejects_unknown_keys_before_loading_anything():
+    with pytest.raises(ValueError, match="unknown configuration key 'lr'"):
+        train.train({"lr": 1e-4})
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"lr_schedule": "exp"}, "lr_schedule"),
+        ({"attn_implementation": "flash3"}, "attn_implementation"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ],
+)
+def test_settings_that_cannot_work_fail_validation(override, message):
+    with pytest.raises(ValueError, match=message):
+        train.validate(train.Config(**override), 1)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = train.Config(warmup_steps=4, min_lr_ratio=0.1, lr_schedule="cosine")
+    factors = [train.lr_factor(s, cfg, 20) for s in range(20)]
+    assert factors[:4] == [0.2, 0.4, 0.6, 0.8] and factors[4] == 1.0
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert train.lr_factor(20, cfg, 20) == pytest.approx(0.1)
+    linear = train.Config(warmup_steps=0, min_lr_ratio=0.0, lr_schedule="linear")
+    assert train.lr_factor(5, linear, 10) == pytest.approx(0.5)

@@ -1,0 +1,110 @@
+"""Two ranks under torchrun (gloo, CPU): the global token-mean loss, end-to-end training, uneven shards."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, SAMPLE
+
+import train
+
+
+def torchrun(*args, timeout=300, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
+    tiny_model_dir, tokenizer, conversations, tmp_path
+):
+    masker = train.AssistantMasker(tokenizer)
+    ex = [masker(c) for c in conversations[:6]]
+
+    # rank 0: three blocks holding five conversations; rank 1: one block holding one short conversation
+    def block(segments, padding):
+        return [segments, sum(len(ids) for ids, _ in segments) + padding]
+
+    per_rank = [[block(ex[0:2], 30), block(ex[2:4], 0), block(ex[4:5], 200)], [block(ex[5:6], 10)]]
+    (tmp_path / "blocks.json").write_text(json.dumps(per_rank))
+    torchrun(ROOT / "tests/dist_grad_check.py", tiny_model_dir, tmp_path / "blocks.json", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+
+    cfg = train.Config(model_name=str(tiny_model_dir), model_revision="")
+    model = train.load_model(cfg, "sdpa")
+    blocks = [train.make_block(segs, n, 0) for rank in per_rank for segs, n in rank]
+    losses = torch.cat([train.token_losses(model, b) for b in blocks])
+    (losses.sum() / losses.numel()).backward()
+    assert got["n_micro"] == 3
+    assert got["loss"] == pytest.approx(losses.mean().item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert (got["grads"][name] - p.grad).norm() <= 1e-5 * p.grad.norm(), name
+
+
+def run_training(tmp_path, tiny_model_dir, data, **overrides):
+    job = {
+        "model_name": str(tiny_model_dir),
+        "model_revision": "",
+        "dataset_name": str(data),
+        "max_seq_len": 2048,
+        "num_workers": 0,
+        "attn_implementation": "sdpa",
+        "param_dtype": "float32",
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "output_dir": str(tmp_path / "out"),
+        **overrides,
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    stdout = torchrun(ROOT / "tests/launch_train.py", tmp_path / "job.yaml", tmp_path)
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    metrics = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    return stdout, results, metrics
+
+
+def test_two_rank_training_lowers_the_loss_and_ranks_agree(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(open(SAMPLE).readlines()[:120]))
+    stdout, results, metrics = run_training(tmp_path, tiny_model_dir, data)
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    assert results[0] == results[1] and results[0]["steps"] == len(losses)
+    packing = next(m["packing"] for m in metrics if "packing" in m)
+    assert packing["conversations"] == 120 and results[0]["steps"] == max(packing["blocks_per_rank_min_max"])
+    assert "step 1/" in stdout and "| loss " in stdout and "tok/s/gpu" in stdout
+
+
+def test_uneven_shards_finish_without_hang_or_nan_and_train_every_conversation_once_per_epoch(tiny_model_dir, tmp_path):
+    # Records alternate between ranks (i % 2). Rank 1 gets mostly records without an assistant turn, so it
+    # has far fewer conversations and runs out of blocks long before rank 0.
+    lines = open(SAMPLE).readlines()[:60]
+    bad = json.dumps({"messages": [{"role": "user", "content": "no answer here"}]}) + "\n"
+    records = [line if i % 2 == 0 or i < 6 else bad for i, line in enumerate(lines)]
+    data = tmp_path / "uneven.jsonl"
+    data.write_text("".join(records))
+    valid = 30 + 3
+    stdout, results, metrics = run_training(tmp_path, tiny_model_dir, data, epochs=2, gradient_accumulation_steps=2)
+    packing = next(m["packing"] for m in metrics if "packing" in m)
+    low, high = packing["blocks_per_rank_min_max"]
+    assert packing["conversations"] == valid and packing["skipped_by_reason"] == {"no assistant turn": 27}
+    assert high >= 4 * low
+    seen = next(m["data_seen"] for m in metrics if "data_seen" in m)
+    assert seen["conversations"] == 2 * valid and seen["blocks"] == 2 * packing["blocks"]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == results[0]["steps"] == math.ceil(2 * high / 2)
+    assert all(math.isfinite(x) for x in losses)

@@ -1,0 +1,108 @@
+"""The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    cfg = train.Config(model_name=str(tiny_model_dir), model_revision="")
+    return train.load_model(cfg, "sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer, conversations):
+    masker = train.AssistantMasker(tokenizer)
+    return [masker(c) for c in conversations[:4]]
+
+
+def plain_losses(model, block, use_cache=False):
+    """Full-vocabulary logits and F.cross_entropy, the way a textbook would (and a cache, when asked)."""
+    logits = model(input_ids=block["input_ids"], position_ids=block["position_ids"], use_cache=use_cache).logits
+    targets = block["labels"][0, 1:]
+    keep = targets != -100
+    return F.cross_entropy(logits[0, :-1][keep].float(), targets[keep], reduction="none")
+
+
+def separate_losses(model, examples, pad_id, loss_fn):
+    return torch.cat([loss_fn(model, train.make_block([ex], len(ex[0]), pad_id)) for ex in examples])
+
+
+def max_rel_err(a, b):
+    return float(((a - b).abs() / b.abs().clamp_min(1e-6)).max())
+
+
+def packed_block(examples, pad_id):
+    return train.make_block(examples, sum(len(ids) for ids, _ in examples) + 37, pad_id)
+
+
+@torch.no_grad()
+def test_packed_per_token_losses_equal_each_example_alone(model, examples, tokenizer):
+    block = packed_block(examples, tokenizer.pad_token_id)
+    packed = train.token_losses(model, block)
+    alone = separate_losses(model, examples, tokenizer.pad_token_id, train.token_losses)
+    assert packed.shape == alone.shape and packed.numel() == block["loss_tokens"]
+    assert max_rel_err(packed, alone) <= 1e-5
+
+
+@torch.no_grad()
+def test_packing_leaks_without_reset_positions(model, examples, tokenizer):
+    block = packed_block(examples, tokenizer.pad_token_id)
+    block["position_ids"] = torch.arange(block["input_ids"].shape[1])[None]  # one long sequence
+    leaked = train.token_losses(model, block)
+    alone = separate_losses(model, examples, tokenizer.pad_token_id, train.token_losses)
+    assert max_rel_err(leaked, alone) > 1e-2
+
+
+@torch.no_grad()
+def test_packing_leaks_with_the_cache_on(model, examples, tokenizer):
+    block = packed_block(examples, tokenizer.pad_token_id)
+    alone = separate_losses(model, examples, tokenizer.pad_token_id, plain_losses)
+    assert max_rel_err(plain_losses(model, block, use_cache=False), alone) <= 1e-5
+    assert max_rel_err(plain_losses(model, block, use_cache=True), alone) > 1e-2
+
+
+def test_chunked_loss_equals_plain_cross_entropy_values_and_gradients(model, examples, tokenizer):
+    block = packed_block(examples, tokenizer.pad_token_id)
+    model.zero_grad()
+    chunked = train.token_losses(model, block, chunk_tokens=7)
+    chunked.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    plain = plain_losses(model, block)
+    plain.sum().backward()
+    assert torch.allclose(chunked, plain, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm(), name
+    model.zero_grad()
+
+
+def test_block_without_loss_tokens_gives_zero_loss_and_gradient(model, tokenizer):
+    filler = train.filler_block(tokenizer.pad_token_id)
+    model.zero_grad()
+    losses = train.token_losses(model, filler)
+    assert losses.numel() == 0 and losses.sum().item() == 0.0
+    losses.sum().backward()  # the graph stays connected, so FSDP's backward hooks would run
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_hybrid_model_without_kernels_fails_at_start_with_an_install_hint(tmp_path):
+    from make_tiny_model import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "hybrid", hybrid=True)
+    cfg = dataclasses.replace(train.Config(), model_name=str(path), model_revision="")
+    with pytest.raises(RuntimeError, match="needs flash-linear-attention and causal-conv1d: pip install"):
+        train.load_model(cfg, "sdpa")
+
+
+def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
+    assert train.resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    with pytest.raises(RuntimeError, match="torch_varlen needs CUDA"):
+        train.resolve_attention("torch_varlen", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="needs flash-attn"):
+        train.resolve_attention("flash_attention_2", torch.device("cpu"))
