@@ -845,6 +845,7 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
                 "memory_gib": memory_gib(d.device),
                 "eta_s": (total_steps - step) * seconds / window["steps"],
                 "elapsed_s": now - start,
+                "time": time.time(),
             }
             log.step_line(record)
             result.update(steps=step, final_loss=record["loss"])
