@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import yaml
 from torch.utils.checkpoint import checkpoint
@@ -56,7 +57,8 @@ class Config:
     model_revision: str = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
     tokenizer_name: str = ""  # "" = model_name
     attn_implementation: str = "auto"  # auto | flash_attention_2 | torch_varlen | sdpa | eager
-    param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters (weights are kept in fp32)
+    master_dtype: str = "float32"  # weights and optimizer state; bfloat16 = the seed's all-bf16 mode (half the memory)
+    param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters
     activation_checkpointing: bool = True
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
     dataset_name: str = "HuggingFaceH4/ultrachat_200k"
@@ -81,8 +83,10 @@ class Config:
     lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup
     min_lr_ratio: float = 0.1  # the decay ends at learning_rate * min_lr_ratio
     loss_chunk_tokens: int = 4096  # cross-entropy is computed this many loss tokens at a time
-    # Bookkeeping
+    # Output: checkpoints/step_N (sharded, resumable), model/ (the consolidated Hugging Face export), metrics.jsonl
     output_dir: str = "outputs/sft"
+    save_every: int = 100  # optimizer steps between checkpoints (0 = only at the end); the run resumes from the last
+    keep_checkpoints: int = 2
     log_every: int = 10
     eval_every: int = 0  # 0 = evaluate only at the end (when eval_split is set)
     seed: int = 0
@@ -159,6 +163,8 @@ def validate(cfg: Config, world_size: int) -> None:
         (cfg.epochs >= 1, "epochs must be >= 1"),
         (cfg.lr_schedule in ("cosine", "linear", "constant"), "lr_schedule must be cosine, linear or constant"),
         (cfg.param_dtype in ("bfloat16", "float32"), "param_dtype must be bfloat16 or float32"),
+        (cfg.master_dtype in ("bfloat16", "float32"), "master_dtype must be bfloat16 or float32"),
+        (cfg.save_every >= 0 and cfg.keep_checkpoints >= 1, "save_every >= 0 and keep_checkpoints >= 1"),
         (cfg.attn_implementation in ATTENTION_BACKENDS, f"attn_implementation must be one of {ATTENTION_BACKENDS}"),
         (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
         (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
@@ -217,20 +223,22 @@ def print0(rank: int, *args) -> None:
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, skips: Counter):
-    """Yields the records of one disjoint shard: record i belongs to shard i % num_shards.
+def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, start: int, skips: Counter):
+    """Yields (index, record) for the records of one disjoint shard from index `start` on: record i belongs to
+    shard i % num_shards.
 
     Every shard reads the whole stream and keeps its own records (as `split_dataset_by_node` does for a
     stream whose file count the shard count does not divide), so the split is exact for any source.
+    Records before `start` (a resumed stream) are passed over without being parsed or tokenized.
     """
     path = Path(source)
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for index, line in enumerate(f):
-                if index % num_shards != shard:
+                if index < start or index % num_shards != shard:
                     continue
                 try:
-                    yield json.loads(line.decode("utf-8"))
+                    yield index, json.loads(line.decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     skips["unreadable line"] += 1
         return
@@ -240,9 +248,9 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
         stream = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
     else:
         stream = load_dataset(source, split=split, streaming=True, revision=revision or None)
-    for index, record in enumerate(stream):
+    for index, record in enumerate(stream.skip(start), start):
         if index % num_shards == shard:
-            yield record
+            yield index, record
 
 
 def conversation_problem(messages) -> str | None:
@@ -321,8 +329,8 @@ class AssistantMasker:
 
 
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
-    """Yields (ids, mask) per trainable conversation; counts every skip by reason and every truncation."""
-    for record in records:
+    """Yields (index, ids, mask) per trainable conversation; counts every skip by reason and every truncation."""
+    for index, record in records:
         if not isinstance(record, dict) or cfg.messages_column not in record:
             counts[f"missing column {cfg.messages_column!r}"] += 1
             continue
@@ -339,7 +347,7 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
                 counts["no loss tokens after truncation"] += 1
                 continue
         counts["conversations"] += 1
-        yield ids, mask
+        yield index, ids, mask
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -398,45 +406,60 @@ def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad
 class PackedBlocks(IterableDataset):
     """This rank's packed blocks, `epochs` passes over its shard, for a DataLoader with batch_size=None.
 
-    Shards are disjoint per (rank, DataLoader worker). Each worker fills a buffer with pack_buffer_blocks
-    blocks' worth of conversations, packs it by best-fit decreasing, and yields its blocks in a seeded random
-    order (the packer emits the longest conversations first). Nothing carries over between buffers.
-    Each block carries its stream's running counts (conversations, skips by reason, truncations).
+    Shards are disjoint per (rank, DataLoader worker): worker slot s of rank r reads shard r * workers + s.
+    Each worker fills a buffer with pack_buffer_blocks blocks' worth of conversations, packs it by best-fit
+    decreasing, and yields its blocks in a seeded random order (the packer emits the longest conversations
+    first). Nothing carries over between buffers, so a block's position in its stream is (epoch, index of the
+    buffer's first record, buffer number, blocks taken from the buffer), plus the stream's counts (conversations,
+    skips by reason, truncations) at the buffer's start. Each block carries it.
+
+    resume: {"streams": {slot: position of the last block consumed}, "next": slot of the next block}. A
+    stream restarts at its buffer, re-packs it and passes over the blocks already taken. The DataLoader takes
+    blocks from its workers in turn, starting with worker 0, so worker w reads slot (w + next) % workers:
+    the turn order continues where it stopped.
     """
 
-    def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int):
+    def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
         self.cfg, self.tok, self.split = cfg, tokenizer, split
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
+        self.resume = resume or {"streams": {}, "next": 0}
 
     def __iter__(self):
         cfg, worker = self.cfg, get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        shard, num_shards = self.rank * num_workers + worker_id, self.world_size * num_workers
+        slot = (worker_id + self.resume["next"]) % num_workers
+        shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
         source, split = (self.split, "") if Path(self.split).suffix else (cfg.dataset_name, self.split)
-        masker, counts = AssistantMasker(self.tok), Counter()
+        masker = AssistantMasker(self.tok)
         pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        for epoch in range(self.epochs):
-            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, counts)
-            buffer, buffered, n_buffer = [], 0, 0
-            for example in tokenize_stream(records, masker, cfg, counts):
-                buffer.append(example)
-                buffered += len(example[0])
+        at = self.resume["streams"].get(slot, {"epoch": 0, "record": 0, "buffer": 0, "block": 0, "counts": {}})
+        counts = Counter(at["counts"])
+        for epoch in range(at["epoch"], self.epochs):
+            first, n_buffer, taken = (at["record"], at["buffer"], at["block"]) if epoch == at["epoch"] else (0, 0, 0)
+            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, counts)
+            buffer, buffered, start_counts = [], 0, dict(counts)
+            for index, ids, mask in tokenize_stream(records, masker, cfg, counts):
+                buffer.append((ids, mask))
+                buffered += len(ids)
                 if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
-                    yield from self._pack(buffer, pad_id, counts, shard, (cfg.seed, epoch, n_buffer))
-                    buffer, buffered, n_buffer = [], 0, n_buffer + 1
-            yield from self._pack(buffer, pad_id, counts, shard, (cfg.seed, epoch, n_buffer))
+                    where = {"slot": slot, "epoch": epoch, "record": first, "buffer": n_buffer, "counts": start_counts}
+                    yield from self._pack(buffer, pad_id, counts, shard, where, taken)
+                    buffer, buffered, first, n_buffer, taken = [], 0, index + 1, n_buffer + 1, 0
+                    start_counts = dict(counts)
+            where = {"slot": slot, "epoch": epoch, "record": first, "buffer": n_buffer, "counts": start_counts}
+            yield from self._pack(buffer, pad_id, counts, shard, where, taken)
 
-    def _pack(self, buffer, pad_id, counts, shard, seed):
+    def _pack(self, buffer, pad_id, counts, shard, where, taken):
         bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
-        random.Random(str((shard, *seed))).shuffle(bins)
-        for members in bins:
+        random.Random(str((self.cfg.seed, shard, where["epoch"], where["buffer"]))).shuffle(bins)
+        for n, members in enumerate(bins[taken:], taken + 1):
             block = make_block([buffer[i] for i in members], self.cfg.max_seq_len, pad_id)
-            block["counts"], block["stream"] = dict(counts), shard
+            block["counts"], block["position"] = dict(counts), {**where, "block": n}
             yield block
 
 
-def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int) -> DataLoader:
-    blocks = PackedBlocks(cfg, tokenizer, split, rank, world_size, epochs)
+def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
+    blocks = PackedBlocks(cfg, tokenizer, split, rank, world_size, epochs, resume)
     # Workers pack while the GPU trains. Each worker is its own shard: the DataLoader takes blocks from the
     # workers in turn and goes on with the others when one runs out.
     extra = {"prefetch_factor": 4, "persistent_workers": False} if cfg.num_workers else {}
@@ -520,32 +543,49 @@ def require_kernels(config) -> None:
         )
 
 
-def load_model(cfg: Config, attn: str):
-    """The pretrained model in fp32 (master weights) with use_cache off. VLM-layout checkpoints such as qwen3_5
-    load with their image-text class, so every tensor of the checkpoint is kept."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def pretrained_dir(cfg: Config, d: Dist) -> Path:
+    """The checkpoint's directory: model_name itself if local, else a hub snapshot of its safetensors, configs
+    and tokenizer files (never .bin pickles), downloaded once per node and shared through HF_HOME."""
+    if Path(cfg.model_name).is_dir():
+        return Path(cfg.model_name)
+    from huggingface_hub import snapshot_download
 
-    revision = cfg.model_revision if not Path(cfg.model_name).exists() else None
-    config = AutoConfig.from_pretrained(cfg.model_name, revision=revision)
-    require_kernels(config)
+    def download():
+        patterns = ["*.safetensors", "*.json", "*.jinja", "*.txt", "*.model"]
+        return Path(snapshot_download(cfg.model_name, revision=cfg.model_revision or None, allow_patterns=patterns))
+
+    if d.local_rank == 0:
+        download()
+    dist.barrier()
+    return download()  # from the node's cache now
+
+
+def model_config(path: Path):
+    """The model's config with the cache off."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
     # use_cache=False on the config and the text config: with a cache, transformers does not derive the
     # block-diagonal mask from position_ids and packed conversations attend to each other.
     config.use_cache = False
     config.get_text_config().use_cache = False
-    image_text = type(config) in AutoModelForImageTextToText._model_mapping
-    model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-    return model_class.from_pretrained(
-        cfg.model_name, revision=revision, config=config, attn_implementation=attn, dtype=torch.float32
-    )
+    return config
 
 
-def shard_model(model, cfg: Config, device: torch.device):
-    """Activation checkpointing, then fully_shard each decoder layer, then the root (which keeps the
-    embeddings, final norm, LM head and any vision tower). Parameters are all-gathered in param_dtype;
-    gradients are reduced in fp32."""
+def build_model(config, cfg: Config, attn: str, device: torch.device):
+    """The model, sharded, with uninitialised parameters: built on the meta device (no memory), activation
+    checkpointing, fully_shard each decoder layer then the root (which keeps the embeddings, final norm,
+    LM head and any vision tower), then each rank allocates only its own shards. Parameters are kept in
+    master_dtype, all-gathered in param_dtype, gradients reduced in fp32. VLM-layout checkpoints such as
+    qwen3_5 use their image-text class, so every tensor the checkpoint has is loaded and exported."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    image_text = type(config) in AutoModelForImageTextToText._model_mapping
+    model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = model_class.from_config(config, attn_implementation=attn, dtype=getattr(torch, cfg.master_dtype))
     if cfg.activation_checkpointing:
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
         # all-gather its parameters a second time outside FSDP's bookkeeping.
@@ -555,11 +595,39 @@ def shard_model(model, cfg: Config, device: torch.device):
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    # Buffers are not in the checkpoint (rotary inv_freq): compute them, as transformers' own meta-device
+    # loading does, with the model's initialiser applied to the modules that hold them.
+    for module in model.modules():
+        if module._buffers:
+            model._init_weights(module)
     # token_losses calls the decoder and the LM head directly, not model.forward; registering it makes FSDP
     # all-gather the root's parameters around it as it does around forward.
     model.token_losses = token_losses.__get__(model)
     register_fsdp_forward_method(model, "token_losses")
     return model
+
+
+def checkpoint_dtypes(path: Path) -> dict:
+    """{tensor name: dtype} of a Hugging Face safetensors checkpoint, from its headers."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
+    return {name: meta.properties.dtype for name, meta in metadata.items()}
+
+
+def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
+    """Each rank reads only its own slices of the safetensors files (DCP's HuggingFaceStorageReader), cast to
+    the master dtype: no rank ever holds the whole model. Tensors the model has no module for (mtp.* heads)
+    stay in the files; every parameter must be found, except an LM head tied to the embeddings."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = model.state_dict()
+    tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
+    missing = [k for k in state if k not in source_dtypes and k != tied_head]
+    if missing:
+        raise ValueError(f"{len(missing)} model tensors are not in the checkpoint at {path}, e.g. {missing[:3]}")
+    dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -640,7 +708,7 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
         blocks += 1
         tokens += block["tokens"]
         loss_tokens += block["loss_tokens"]
-        counts[block["stream"]] = block["counts"]
+        counts[block["position"]["slot"]] = block["counts"]
     totals = [None] * d.world_size
     dist.all_gather_object(totals, (blocks, tokens, loss_tokens, _sum_counts(counts.values())))
     stats = packing_stats(
@@ -775,45 +843,80 @@ class Evaluator:
         return loss_sum.item() / self.loss_tokens
 
 
-def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log: MetricsLog, evaluator) -> dict:
-    """Each step takes gradient_accumulation_steps blocks per rank. The loss is the global token mean: every
-    rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all ranks) -- FSDP
-    averages gradients over ranks, so the world_size cancels and each loss token weighs the same wherever it
-    sits. A rank whose data runs out feeds fillers until every rank has; the loop ends when all have."""
-    from torch.distributed.tensor import DTensor
+@dataclass
+class Progress:
+    """This rank's resumable state, saved with every checkpoint: where training and each data stream are."""
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    filler = filler_block(pad_id)
-    params = [p for p in model.parameters() if p.requires_grad]
+    step: int = 0
+    data: dict = dataclasses.field(default_factory=lambda: {"streams": {}, "next": 0})  # see PackedBlocks
+    blocks: int = 0  # blocks this rank has trained on
+    stream_counts: dict = dataclasses.field(default_factory=dict)  # slot -> that stream's counts
+    window: Counter = dataclasses.field(default_factory=Counter)  # since the last log line
+    window_loss: float = 0.0
+
+    def took(self, block: dict, num_workers: int) -> None:
+        slot = block["position"]["slot"]
+        self.data["streams"][slot] = block["position"]
+        self.data["next"] = (slot + 1) % max(1, num_workers)
+        self.stream_counts[slot] = block["counts"]
+        self.blocks += 1
+
+    def data_seen(self) -> Counter:
+        """Conversations read, skipped (by reason) and truncated by this rank's streams, and blocks trained."""
+        return _sum_counts(self.stream_counts.values()) + Counter(blocks=self.blocks)
+
+
+def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
     optimizer = torch.optim.AdamW(
-        params,
+        [p for p in model.parameters() if p.requires_grad],
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
         fused=d.device.type == "cuda",
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def training_loop(
+    model,
+    optimizer,
+    scheduler,
+    cfg: Config,
+    tokenizer,
+    d: Dist,
+    total_steps: int,
+    log: MetricsLog,
+    evaluator,
+    progress: Progress,
+) -> dict:
+    """Each step takes gradient_accumulation_steps blocks per rank. The loss is the global token mean: every
+    rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all ranks) -- FSDP
+    averages gradients over ranks, so the world_size cancels and each loss token weighs the same wherever it
+    sits. A rank whose data runs out feeds fillers until every rank has; the loop ends when all have.
+    A checkpoint is written every save_every steps and at the end."""
+    from torch.distributed.tensor import DTensor
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    filler = filler_block(pad_id)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     n_matmul, attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
-    # A generator, so that asking an exhausted rank for more blocks is safe however often it happens.
-    data = (b for b in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs))
-    stream_counts: dict[int, dict] = {}
-    window = Counter()  # since the last log line: loss sum, loss tokens, tokens, FLOPs, steps
-    window_loss = torch.zeros((), device=d.device)
-    result = {"steps": 0, "final_loss": None, "eval_loss": None}
+    loader = block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress.data)
+    data = (b for b in loader)  # a generator: asking an exhausted rank for more blocks is safe however often
+    window_loss = torch.tensor(progress.window_loss, device=d.device)
+    result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
+    saved_step = progress.step if progress.step else None  # a resumed run starts at a saved step
     start = last_log = time.perf_counter()
     model.train()
-    step = blocks_trained = 0
-    while step < total_steps:
+    while progress.step < total_steps:
         blocks = []
         for block in data:
-            stream_counts[block["stream"]] = block["counts"]
+            progress.took(block, cfg.num_workers)
             blocks.append(block)
             if len(blocks) == cfg.gradient_accumulation_steps:
                 break
-        blocks_trained += len(blocks)
         n_micro, loss_tokens, tokens, sum_sq = global_counts(blocks, d)
         if n_micro == 0:
-            print0(d.rank, f"data exhausted on every rank after {step} of {total_steps} steps")
+            print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
         scale = d.world_size / max(loss_tokens, 1)
         window_loss += run_blocks(model, blocks, n_micro, filler, cfg, d, scale)
@@ -825,7 +928,8 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
+        progress.step += 1
+        step, window = progress.step, progress.window
         window.update(
             loss_tokens=loss_tokens, tokens=tokens, steps=1, flops=6 * n_matmul * tokens + attn_per_sq * sum_sq / 2
         )
@@ -849,15 +953,20 @@ def training_loop(model, cfg: Config, tokenizer, d: Dist, total_steps: int, log:
             }
             log.step_line(record)
             result.update(steps=step, final_loss=record["loss"])
-            window, last_log = Counter(), now
+            progress.window, last_log = Counter(), now
             window_loss.zero_()
         if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
             run_eval(evaluator, model, step, log, result)
+        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+            progress.window_loss = window_loss.item()
+            save_checkpoint(model, optimizer, scheduler, total_steps, progress, cfg, d)
+            saved_step = step
     if evaluator:
-        run_eval(evaluator, model, step, log, result)
-    result["steps"] = step
-    result["data"] = _sum_counts(stream_counts.values())
-    result["data"]["blocks"] = blocks_trained
+        run_eval(evaluator, model, progress.step, log, result)
+    if progress.step != saved_step:
+        progress.window_loss = window_loss.item()
+        save_checkpoint(model, optimizer, scheduler, total_steps, progress, cfg, d)
+    result["steps"] = progress.step
     return result
 
 
@@ -866,6 +975,150 @@ def run_eval(evaluator, model, step: int, log: MetricsLog, result: dict) -> None
     print0(log.rank, f"eval step {step} | loss {loss:.4f}")
     log.write({"step": step, "eval_loss": loss})
     result["eval_loss"] = loss
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 6. Checkpoints, resume and the Hugging Face export
+# ------------------------------------------------------------------------------------------------------------
+
+
+def complete_checkpoints(cfg: Config) -> list[Path]:
+    """Checkpoints every rank finished writing, oldest first. complete.json is written last, by rank 0, after
+    a barrier: a directory without it is an interrupted save and is never loaded."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if (p / "complete.json").exists())
+
+
+def save_checkpoint(model, optimizer, scheduler, total_steps: int, progress: Progress, cfg: Config, d: Dist) -> None:
+    """Model and optimizer as sharded DCP files (each rank writes its own shards), each rank's Progress and RNG
+    states, then complete.json with the step, scheduler and configuration. Keeps the last keep_checkpoints."""
+    import shutil
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    path = Path(cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
+    if d.rank == 0 and path.exists():
+        shutil.rmtree(path)  # an earlier, interrupted save of this step
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if d.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(d.device)
+    torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
+    dist.barrier()  # every rank has written its part
+    if d.rank == 0:
+        size = sum(f.stat().st_size for f in path.iterdir())
+        meta = {
+            "step": progress.step,
+            "total_steps": total_steps,
+            "world_size": d.world_size,
+            "num_workers": cfg.num_workers,
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(cfg),
+            "bytes": size,
+            "seconds": time.perf_counter() - t0,
+        }
+        (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
+        os.replace(path / "complete.json.tmp", path / "complete.json")
+        complete = complete_checkpoints(cfg)
+        for old in complete[: -cfg.keep_checkpoints]:
+            shutil.rmtree(old)
+        for unfinished in (p for p in path.parent.glob("step_*") if p not in complete and p.name < path.name):
+            shutil.rmtree(unfinished)
+        print(
+            f"checkpoint step {progress.step}: {size / 2**30:.2f} GiB in {meta['seconds']:.1f}s -> {path}", flush=True
+        )
+
+
+def resume(path: Path, model, optimizer, scheduler, cfg: Config, d: Dist) -> Progress:
+    """Loads a complete checkpoint into the sharded model and optimizer and returns this rank's Progress.
+    Data positions are per rank and per worker, so both counts must be unchanged."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    meta = json.loads((path / "complete.json").read_text())
+    if (meta["world_size"], meta["num_workers"]) != (d.world_size, cfg.num_workers):
+        raise ValueError(
+            f"{path} was written by {meta['world_size']} ranks with num_workers {meta['num_workers']}; "
+            f"resume with the same, or use another output_dir to start afresh"
+        )
+    changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
+    if changed:
+        print0(d.rank, f"resuming with configuration changes: {changed}")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    scheduler.load_state_dict(meta["scheduler"])
+    saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: Counters, RNG tuples
+    torch.set_rng_state(saved["rng"]["torch"])
+    random.setstate(saved["rng"]["python"])
+    if "cuda" in saved["rng"]:
+        torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
+    print0(
+        d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {time.perf_counter() - t0:.1f}s"
+    )
+    return Progress(**saved["progress"])
+
+
+def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
+    """Writes output_dir/model: a consolidated Hugging Face checkpoint that from_pretrained loads as is.
+
+    Each rank writes its own shards (cast back to the source checkpoint's dtype per tensor), which DCP then
+    consolidates file by file into the source's file layout: no rank gathers the model. Tensors the model
+    has no module for (mtp.* heads) are copied from the source unchanged, and so are its configuration and
+    processor files; the tokenizer is the one trained with.
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    t0 = time.perf_counter()
+    out = Path(cfg.output_dir) / "model"
+    if d.rank == 0 and out.exists():
+        shutil.rmtree(out)
+    dist.barrier()
+    index_file = source / "model.safetensors.index.json"
+    source_files = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else {}
+    file_number = {name: n for n, name in enumerate(sorted(set(source_files.values())), 1)}
+    state = {k: v.to(source_dtypes[k]) for k, v in model.state_dict().items() if k in source_dtypes}
+    layout = {k: file_number.get(source_files.get(k), 1) for k in state}
+    writer = HuggingFaceStorageWriter(
+        str(out),
+        fqn_to_index_mapping=layout,
+        save_distributed=True,
+        enable_consolidation=True,
+        thread_count_consolidation=8,
+    )
+    dcp.save(state, storage_writer=writer)
+    dist.barrier()
+    if d.rank == 0:
+        shutil.rmtree(out / "sharded")
+        extra = sorted(set(source_dtypes) - set(state))
+        if extra:  # e.g. mtp.*: copied as they are, into a file of their own listed in the index
+            tensors = {}
+            for name in extra:
+                with safe_open(source / source_files.get(name, "model.safetensors"), "pt") as f:
+                    tensors[name] = f.get_tensor(name)
+            save_file(tensors, out / "model-extra.safetensors", metadata={"format": "pt"})
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for f in source.iterdir():  # config.json, generation_config.json, processor configs, ...
+            if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name:
+                shutil.copy(f, out / f.name)
+        tokenizer.save_pretrained(out)
+        size = sum(f.stat().st_size for f in out.iterdir())
+        print(
+            f"exported {len(state) + len(extra)} tensors, {size / 2**30:.2f} GiB in "
+            f"{time.perf_counter() - t0:.1f}s -> {out}",
+            flush=True,
+        )
+    dist.barrier()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -903,12 +1156,17 @@ def _train(cfg: Config, d: Dist) -> dict:
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     tokenizer = load_tokenizer(cfg)
     attn = resolve_attention(cfg.attn_implementation, d.device)
+    source = pretrained_dir(cfg, d)
+    config, source_dtypes = model_config(source), checkpoint_dtypes(source)
+    require_kernels(config)
+    checkpoints = complete_checkpoints(cfg)
 
-    # The step count: max_steps if set; otherwise the counting pass packs the data once to count blocks.
-    stats = None
-    if cfg.max_steps > 0:
-        total_steps = cfg.max_steps
-    else:
+    # The step count: from the checkpoint when resuming; else max_steps if set; else the counting pass packs
+    # the data once (no model needed) to count blocks.
+    stats, total_steps = None, cfg.max_steps
+    if checkpoints:
+        total_steps = json.loads((checkpoints[-1] / "complete.json").read_text())["total_steps"]
+    elif not cfg.max_steps:
         t0 = time.perf_counter()
         max_blocks, stats = count_blocks(cfg, tokenizer, d)
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
@@ -917,15 +1175,22 @@ def _train(cfg: Config, d: Dist) -> dict:
             raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
 
     t0 = time.perf_counter()
-    model = shard_model(load_model(cfg, attn), cfg, d.device)
+    model = build_model(config, cfg, attn, d.device)
+    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
+    if checkpoints:
+        progress = resume(checkpoints[-1], model, optimizer, scheduler, cfg, d)
+    else:
+        load_pretrained(model, source, source_dtypes)
+        progress = Progress()
     n_params = sum(p.numel() for p in model.parameters())
-    tokens_per_step = cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print0(
         d.rank,
-        f"model: {model.config.model_type}, {n_params / 1e6:,.1f}M parameters, "
-        f"{len(model.get_decoder().layers)} decoder layers, attention {attn}, loaded and sharded over "
-        f"{d.world_size} ranks in {time.perf_counter() - t0:.0f}s",
+        f"model: {config.model_type}, {n_params / 1e6:,.1f}M parameters, {len(model.get_decoder().layers)} "
+        f"decoder layers, attention {attn}, built, sharded over {d.world_size} ranks and loaded in "
+        f"{time.perf_counter() - t0:.1f}s, peak host memory {peak_rss:.1f} GiB on rank 0",
     )
+    tokens_per_step = cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len
     print0(
         d.rank,
         f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | "
@@ -937,13 +1202,14 @@ def _train(cfg: Config, d: Dist) -> dict:
         log.write({"step": 0, "packing": stats})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
-    result = training_loop(model, cfg, tokenizer, d, total_steps, log, evaluator)
+    result = training_loop(model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress)
     data = [None] * d.world_size
-    dist.all_gather_object(data, result.pop("data"))
+    dist.all_gather_object(data, progress.data_seen())
     summary = dict(_sum_counts(data))
     print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
     log.write({"step": result["steps"], "data_seen": summary})
-    return {**result, "output_dir": str(out)}
+    export = export_hf(model, tokenizer, source, source_dtypes, cfg, d)
+    return {**result, "output_dir": str(out), "model_dir": str(export)}
 
 
 def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:

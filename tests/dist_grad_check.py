@@ -14,7 +14,9 @@ import train  # noqa: E402
 model_dir, blocks_file, out_file = sys.argv[1:4]
 d = train.setup_distributed()
 cfg = train.Config(model_name=model_dir, model_revision="", param_dtype="float32", activation_checkpointing=True)
-model = train.shard_model(train.load_model(cfg, "sdpa"), cfg, d.device)
+config = train.model_config(Path(model_dir))
+model = train.build_model(config, cfg, "sdpa", d.device)
+train.load_pretrained(model, Path(model_dir), train.checkpoint_dtypes(Path(model_dir)))
 per_rank = json.loads(Path(blocks_file).read_text())
 blocks = [train.make_block(segments, length, pad_id=0) for segments, length in per_rank[d.rank]]
 n_micro, loss_tokens, _, _ = train.global_counts(blocks, d)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, SAMPLE
+from transformers import AutoModelForCausalLM
 
 import train
 
@@ -43,8 +44,8 @@ def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
     torchrun(ROOT / "tests/dist_grad_check.py", tiny_model_dir, tmp_path / "blocks.json", tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
 
-    cfg = train.Config(model_name=str(tiny_model_dir), model_revision="")
-    model = train.load_model(cfg, "sdpa")
+    config = train.model_config(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, attn_implementation="sdpa")
     blocks = [train.make_block(segs, n, 0) for rank in per_rank for segs, n in rank]
     losses = torch.cat([train.token_losses(model, b) for b in blocks])
     (losses.sum() / losses.numel()).backward()

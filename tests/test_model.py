@@ -1,18 +1,17 @@
 """The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 import train
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    cfg = train.Config(model_name=str(tiny_model_dir), model_revision="")
-    return train.load_model(cfg, "sdpa").eval()
+    config = train.model_config(tiny_model_dir)  # use_cache off, as the recipe sets it
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +94,8 @@ def test_hybrid_model_without_kernels_fails_at_start_with_an_install_hint(tmp_pa
     from make_tiny_model import write_tiny_model
 
     path = write_tiny_model(tmp_path / "hybrid", hybrid=True)
-    cfg = dataclasses.replace(train.Config(), model_name=str(path), model_revision="")
     with pytest.raises(RuntimeError, match="needs flash-linear-attention and causal-conv1d: pip install"):
-        train.load_model(cfg, "sdpa")
+        train.require_kernels(train.model_config(path))
 
 
 def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():

@@ -1,0 +1,205 @@
+"""Sharded loading, the Hugging Face export, and resume after a SIGKILL, on 2 CPU ranks under torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, SAMPLE
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_distributed import torchrun
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+import train
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def tensors(directory):
+    """Every tensor of a safetensors checkpoint directory, with its stored dtype."""
+    found = {}
+    for f in directory.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            found.update({k: st.get_tensor(k) for k in st.keys()})
+    return found
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def bf16_checkpoint(request, tmp_path_factory):
+    """A tiny checkpoint stored in bf16 except the tensors qwen3_5 keeps in fp32 (A_log, norms), and for the
+    hybrid an extra mtp.* tensor that the model has no module for, as the real Qwen3.5 checkpoints have."""
+    from make_tiny_model import make_model, make_tokenizer
+
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    tok = make_tokenizer()
+    model = make_model(len(tok), hybrid=request.param == "hybrid")
+    for name, p in model.named_parameters():
+        if "A_log" not in name and "norm" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    if request.param == "hybrid":
+        weights = load_file(path / "model.safetensors")
+        weights["mtp.fc.weight"] = torch.randn(8, 8).to(torch.bfloat16)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return request.param, path
+
+
+def auto_class(kind):
+    return AutoModelForImageTextToText if kind == "hybrid" else AutoModelForCausalLM
+
+
+def test_sharded_load_equals_from_pretrained_and_the_export_keeps_every_tensor(bf16_checkpoint, tmp_path):
+    kind, source = bf16_checkpoint
+    torchrun(ROOT / "tests/dist_export_check.py", source, tmp_path)
+    got = torch.load(tmp_path / "fsdp.pt")
+    reference = auto_class(kind).from_pretrained(source, dtype=torch.float32)
+    for name, p in reference.named_parameters():
+        assert got["params"][name].dtype == torch.float32  # fp32 master weights
+        assert torch.equal(got["params"][name], p), name
+    buffers = dict(reference.named_buffers())
+    assert got["buffers"].keys() == buffers.keys()
+    for name, b in buffers.items():
+        assert torch.equal(got["buffers"][name], b), name  # rotary tables computed, not left empty
+
+    exported, original = tensors(tmp_path / "model"), tensors(source)
+    assert exported.keys() == original.keys() and "model.safetensors.index.json" in os.listdir(tmp_path / "model")
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    reloaded = auto_class(kind).from_pretrained(tmp_path / "model", dtype=torch.float32)
+    with torch.no_grad():
+        logits = reloaded(input_ids=got["input_ids"], use_cache=False).logits
+    assert torch.allclose(logits, got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def job(tmp_path, tiny_model_dir, name, data):
+    out = tmp_path / name
+    config = {
+        "model_name": str(tiny_model_dir),
+        "model_revision": "",
+        "dataset_name": str(data),
+        "max_seq_len": 1024,
+        "pack_buffer_blocks": 4,
+        "num_workers": 2,
+        "gradient_accumulation_steps": 2,
+        "attn_implementation": "sdpa",
+        "param_dtype": "float32",
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "save_every": 3,
+        "keep_checkpoints": 2,
+        "output_dir": str(out),
+    }
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return [*TORCHRUN, "train.py", "--config", str(tmp_path / f"{name}.yaml")], out
+
+
+def kill_all(marker: str) -> int:
+    """SIGKILL every process whose command line holds marker (torchrun and its workers, which it starts in
+    sessions of their own), as a preempted node would lose them all at once."""
+    killed = 0
+    for proc in os.listdir("/proc"):
+        try:
+            if proc.isdigit() and marker in open(f"/proc/{proc}/cmdline").read():
+                os.kill(int(proc), signal.SIGKILL)
+                killed += 1
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return killed
+
+
+def run(command, env):
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def losses_by_step(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}  # a re-run step keeps its last record
+
+
+def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(open(SAMPLE).readlines()[:120]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    command, straight = job(tmp_path, tiny_model_dir, "straight", data)
+    run(command, env)
+
+    command, killed = job(tmp_path, tiny_model_dir, "killed", data)
+    victim = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not list(killed.glob("checkpoints/step_*/complete.json")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert kill_all(str(tmp_path / "killed.yaml")) >= 3  # torchrun, its two ranks and their data workers
+    victim.wait()
+    assert not (killed / "model").exists(), "the run finished before it could be killed"
+    first_checkpoint = sorted(killed.glob("checkpoints/step_*"))[0].name
+    assert f"resumed from {killed}/checkpoints/{first_checkpoint}" in run(command, env)
+
+    expected = losses_by_step(straight)
+    assert losses_by_step(killed) == expected and len(expected) >= 8
+    a, b = tensors(straight / "model"), tensors(killed / "model")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert len(kept) == 2 and first_checkpoint not in kept  # keep_checkpoints: 2
+
+    # The export is the trained model: its logits equal the FSDP model's, loaded from the final checkpoint.
+    final = sorted((straight / "checkpoints").iterdir())[-1]
+    torchrun(ROOT / "tests/dist_export_check.py", straight / "model", tmp_path / "check", final)
+    got = torch.load(tmp_path / "check/fsdp.pt")
+    reloaded = AutoModelForCausalLM.from_pretrained(straight / "model", dtype=torch.float32)
+    with torch.no_grad():
+        logits = reloaded(input_ids=got["input_ids"], use_cache=False).logits
+    assert torch.allclose(logits, got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_interrupted_saves_are_never_resumed_from(tmp_path):
+    cfg = train.Config(output_dir=str(tmp_path))
+    for step, complete in ((3, True), (6, True), (9, False)):
+        path = tmp_path / "checkpoints" / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        if complete:
+            (path / "complete.json").write_text("{}")
+    assert [p.name for p in train.complete_checkpoints(cfg)] == ["step_00000003", "step_00000006"]
+
+
+@pytest.fixture()
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield train.Dist(0, 0, 1, torch.device("cpu"), owns_group=True)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("master", ["float32", "bfloat16"])
+def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    cfg = train.Config(model_name=str(tiny_model_dir), master_dtype=master, activation_checkpointing=True)
+    model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+    layers = model.get_decoder().layers
+    assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in layers)
+    assert all(layer.gradient_checkpointing for layer in layers)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.dtype == getattr(torch, master)
+    policy = layers[0]._get_fsdp_state()._mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    optimizer, _ = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+    losses = model.token_losses(train.make_block([([5, 6, 7, 8], [False, True, True, True])], 6, 0))
+    losses.sum().backward()
+    optimizer.step()
+    state = optimizer.state[next(iter(model.parameters()))]
+    assert state["exp_avg"].dtype == getattr(torch, master)
