@@ -744,10 +744,21 @@ def packing_stats(cfg: Config, blocks_per_rank: list[int], tokens: int, loss_tok
 
 
 class MetricsLog:
-    """Rank 0 prints one fixed-field line per log interval and appends the same record to metrics.jsonl."""
+    """Rank 0 prints one fixed-field line per log interval and appends the same record to metrics.jsonl, and,
+    when MLFLOW_RUN_ID (set by Databricks jobs and @distributed) or MLFLOW_TRACKING_URI is set, logs the
+    resolved configuration as params and every number as a metric to that run. Secrets are never in either:
+    the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only)."""
 
     def __init__(self, cfg: Config, d: Dist):
-        self.rank = d.rank
+        self.rank, self.mlflow = d.rank, None
+        if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
+            import mlflow
+
+            run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
+            params = {k: str(v) for k, v in dataclasses.asdict(cfg).items()}
+            # MLflow params cannot change: a resumed run logs only the ones its run does not have yet.
+            mlflow.log_params({k: v for k, v in params.items() if k not in run.data.params})
+            self.mlflow = mlflow
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.peak = next(
             (
@@ -763,6 +774,17 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.mlflow:
+            flat = {}
+            for key, value in record.items():
+                for name, v in value.items() if isinstance(value, dict) else [("", value)]:
+                    if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
+                        flat[f"{key}/{name}" if name else key] = v
+            self.mlflow.log_metrics(flat, step=record["step"])
+
+    def close(self) -> None:
+        if self.mlflow:
+            self.mlflow.end_run()
 
     def step_line(self, r: dict) -> None:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
@@ -802,18 +824,17 @@ def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Confi
     return loss_sum
 
 
-def global_counts(blocks: list[dict], d: Dist) -> tuple[int, int, int, int]:
-    """(most blocks on any rank, loss tokens, non-padding tokens, sum of squared segment lengths) over all
-    ranks. One small all-reduce per step: the loss normaliser must be known before the first backward."""
-    local = torch.tensor(
-        [[len(blocks), 0, 0, 0]] + [[0, b["loss_tokens"], b["tokens"], b["sum_sq_len"]] for b in blocks],
-        dtype=torch.float64,
-        device=d.device,
-    ).sum(0)
-    n_blocks = local[:1].clone()
-    dist.all_reduce(n_blocks, op=dist.ReduceOp.MAX)
+def global_counts(blocks: list[dict], d: Dist) -> dict:
+    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
+    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
+    be known before the first backward."""
+    keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
+    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
+    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
+    max_blocks = local[:1].clone()
+    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
     dist.all_reduce(local)
-    return int(n_blocks), int(local[1]), int(local[2]), int(local[3])
+    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
 
 
 class Evaluator:
@@ -829,8 +850,8 @@ class Evaluator:
             self.blocks.append(block)
             if len(self.blocks) == cfg.eval_blocks:
                 break
-        n_blocks, self.loss_tokens, _, _ = global_counts(self.blocks, d)
-        self.n_micro = n_blocks
+        counts = global_counts(self.blocks, d)
+        self.n_micro, self.loss_tokens = counts["max_blocks"], counts["loss_tokens"]
         if self.loss_tokens == 0:
             raise ValueError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
 
@@ -914,7 +935,8 @@ def training_loop(
             blocks.append(block)
             if len(blocks) == cfg.gradient_accumulation_steps:
                 break
-        n_micro, loss_tokens, tokens, sum_sq = global_counts(blocks, d)
+        counts = global_counts(blocks, d)
+        n_micro, loss_tokens = counts["max_blocks"], counts["loss_tokens"]
         if n_micro == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
@@ -930,9 +952,8 @@ def training_loop(
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         step, window = progress.step, progress.window
-        window.update(
-            loss_tokens=loss_tokens, tokens=tokens, steps=1, flops=6 * n_matmul * tokens + attn_per_sq * sum_sq / 2
-        )
+        flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"] / 2
+        window.update(steps=1, flops=flops, **{k: counts[k] for k in ("blocks", "loss_tokens", "tokens")})
         if step % cfg.log_every == 0 or step == total_steps:
             dist.all_reduce(window_loss)  # .item() below is a sync point: only on logging steps
             now = time.perf_counter()
@@ -945,6 +966,8 @@ def training_loop(
                 "grad_norm": grad_norm.item(),
                 "tokens_per_s_per_gpu": window["tokens"] / seconds / d.world_size,
                 "loss_tokens_per_s_per_gpu": window["loss_tokens"] / seconds / d.world_size,
+                "non_padding_fraction": window["tokens"] / (window["blocks"] * cfg.max_seq_len),
+                "loss_token_fraction": window["loss_tokens"] / (window["blocks"] * cfg.max_seq_len),
                 "mfu": window["flops"] / seconds / d.world_size / log.peak if log.peak else None,
                 "memory_gib": memory_gib(d.device),
                 "eta_s": (total_steps - step) * seconds / window["steps"],
@@ -1198,17 +1221,20 @@ def _train(cfg: Config, d: Dist) -> dict:
         f"transformers {transformers.__version__}",
     )
     log = MetricsLog(cfg, d)
-    if stats:
-        log.write({"step": 0, "packing": stats})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
-    result = training_loop(model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress)
-    data = [None] * d.world_size
-    dist.all_gather_object(data, progress.data_seen())
-    summary = dict(_sum_counts(data))
-    print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
-    log.write({"step": result["steps"], "data_seen": summary})
-    export = export_hf(model, tokenizer, source, source_dtypes, cfg, d)
+    try:
+        if stats:
+            log.write({"step": 0, "packing": stats})
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
+        result = training_loop(model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress)
+        data = [None] * d.world_size
+        dist.all_gather_object(data, progress.data_seen())
+        summary = dict(_sum_counts(data))
+        print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
+        log.write({"step": result["steps"], "data_seen": summary})
+        export = export_hf(model, tokenizer, source, source_dtypes, cfg, d)
+    finally:
+        log.close()
     return {**result, "output_dir": str(out), "model_dir": str(export)}
 
 
