@@ -25,6 +25,7 @@ Launch:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -56,6 +57,7 @@ class Config:
     model_name: str = "Qwen/Qwen3.8-27B"  # hub name or local directory
     model_revision: str = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
     tokenizer_name: str = ""  # "" = model_name
+    trust_remote_code: bool = False  # run Python code that a hub repo ships; only for repos you trust
     attn_implementation: str = "auto"  # auto | flash_attention_2 | torch_varlen | sdpa | eager
     master_dtype: str = "float32"  # weights and optimizer state; bfloat16 = the seed's all-bf16 mode (half the memory)
     param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters
@@ -70,12 +72,14 @@ class Config:
     max_seq_len: int = 32768  # tokens per packed block
     pack_buffer_blocks: int = 64  # best-fit-decreasing packs this many blocks' worth of conversations at a time
     num_workers: int = 1  # DataLoader worker processes per rank (0 = pack in the training process)
+    max_skip_fraction: float = 0.2  # stop when more of the records than this cannot be trained on
     # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
     learning_rate: float = 1e-5
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm
     gradient_accumulation_steps: int = 1
     epochs: int = 1
     max_steps: int = 0  # > 0: stop after this many optimizer steps (and skip the counting pass)
@@ -165,6 +169,7 @@ def validate(cfg: Config, world_size: int) -> None:
         (cfg.param_dtype in ("bfloat16", "float32"), "param_dtype must be bfloat16 or float32"),
         (cfg.master_dtype in ("bfloat16", "float32"), "master_dtype must be bfloat16 or float32"),
         (cfg.save_every >= 0 and cfg.keep_checkpoints >= 1, "save_every >= 0 and keep_checkpoints >= 1"),
+        (0 <= cfg.max_skip_fraction <= 1 and cfg.max_bad_steps >= 1, "max_skip_fraction in [0, 1], max_bad_steps >= 1"),
         (cfg.attn_implementation in ATTENTION_BACKENDS, f"attn_implementation must be one of {ATTENTION_BACKENDS}"),
         (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
         (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
@@ -253,6 +258,30 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
             yield index, record
 
 
+def data_source(cfg: Config, split: str) -> tuple[str, str]:
+    """(source, split) of a split name of dataset_name, or of a local file given in its place (eval_split)."""
+    return (split, "") if Path(split).suffix else (cfg.dataset_name, split)
+
+
+def check_data(cfg: Config, split: str) -> None:
+    """Structural problems stop the run here, before any model is loaded: a missing file, an empty dataset, a
+    file that is not JSON lines, records without the conversation column."""
+    source, split = data_source(cfg, split)
+    if Path(source).suffix and not Path(source).is_file():
+        raise FileNotFoundError(f"data file {source} does not exist")
+    counts = Counter()
+    first = [r for _, r in itertools.islice(read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts), 64)]
+    if not first:
+        problem = "has no readable line: is it JSON lines?" if counts else "is empty"
+        raise ValueError(f"dataset {source} [{split}] {problem}")
+    if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
+        columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
+        raise ValueError(
+            f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; "
+            f"its columns are {columns}: set messages_column to the one holding the conversations"
+        )
+
+
 def conversation_problem(messages) -> str | None:
     """The reason a conversation cannot be trained on, or None. Reasons are counted, not raised."""
     if not isinstance(messages, list) or not messages:
@@ -260,7 +289,9 @@ def conversation_problem(messages) -> str | None:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             return "unknown role"
-        if not isinstance(m.get("content"), str) or not m["content"].strip():
+        if not isinstance(m.get("content"), str):
+            return "empty or non-string content"
+        if not m["content"].strip() and not m.get("tool_calls"):  # a tool-call turn may have no text
             return "empty or non-string content"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
@@ -294,11 +325,14 @@ class AssistantMasker:
 
     def __call__(self, messages: list[dict]) -> tuple[list[int], list[bool]] | str:
         """Returns (token ids, loss mask) or the reason the conversation is skipped."""
-        text = self.tok.apply_chat_template(messages, tokenize=False)
         holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        skeleton = self.tok.apply_chat_template(
-            [{"role": m["role"], "content": h} for m, h in zip(messages, holders)], tokenize=False
-        )
+        try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
+            text = self.tok.apply_chat_template(messages, tokenize=False)
+            skeleton = self.tok.apply_chat_template(
+                [{**m, "content": h} for m, h in zip(messages, holders)], tokenize=False
+            )
+        except Exception as e:  # jinja2's TemplateError, or whatever the template's own raise_exception gives
+            return f"chat template error: {str(e)[:80]}"
         spans, pos, rest = [], 0, skeleton
         for m, holder in zip(messages, holders):
             before, found, rest = rest.partition(holder)
@@ -348,6 +382,11 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
                 continue
         counts["conversations"] += 1
         yield index, ids, mask
+
+
+def skip_reasons(counts: dict) -> dict:
+    """The skipped records by reason, from a stream's counts (which also hold conversations and truncations)."""
+    return {k: v for k, v in counts.items() if k not in ("conversations", "truncated")}
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -429,7 +468,7 @@ class PackedBlocks(IterableDataset):
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         slot = (worker_id + self.resume["next"]) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
-        source, split = (self.split, "") if Path(self.split).suffix else (cfg.dataset_name, self.split)
+        source, split = data_source(cfg, self.split)
         masker = AssistantMasker(self.tok)
         pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         at = self.resume["streams"].get(slot, {"epoch": 0, "record": 0, "buffer": 0, "block": 0, "counts": {}})
@@ -468,12 +507,31 @@ def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int,
     )
 
 
+def from_hub(load, name: str):
+    """Runs a hub load; a gated or private repo without a token becomes an error that says what to do."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        return load()
+    except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
+        cause = e if isinstance(e, (GatedRepoError, RepositoryNotFoundError)) else e.__cause__
+        if isinstance(cause, (GatedRepoError, RepositoryNotFoundError)) and not os.environ.get("HF_TOKEN"):
+            raise RuntimeError(
+                f"{name} is gated or private and HF_TOKEN is not set: accept its license on the hub, "
+                "then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
+            ) from e
+        raise
+
+
 def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer_name or cfg.model_name
     revision = cfg.model_revision if not cfg.tokenizer_name and not Path(name).exists() else None
-    return AutoTokenizer.from_pretrained(name, revision=revision or None)
+    return from_hub(
+        lambda: AutoTokenizer.from_pretrained(name, revision=revision or None, trust_remote_code=cfg.trust_remote_code),
+        name,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -545,26 +603,37 @@ def require_kernels(config) -> None:
 
 def pretrained_dir(cfg: Config, d: Dist) -> Path:
     """The checkpoint's directory: model_name itself if local, else a hub snapshot of its safetensors, configs
-    and tokenizer files (never .bin pickles), downloaded once per node and shared through HF_HOME."""
-    if Path(cfg.model_name).is_dir():
-        return Path(cfg.model_name)
-    from huggingface_hub import snapshot_download
+    and tokenizer files, downloaded once per node and shared through HF_HOME. Weights are read from
+    safetensors only: pickled .bin files can run code when loaded."""
+    path = Path(cfg.model_name)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
 
-    def download():
         patterns = ["*.safetensors", "*.json", "*.jinja", "*.txt", "*.model"]
-        return Path(snapshot_download(cfg.model_name, revision=cfg.model_revision or None, allow_patterns=patterns))
+        revision = cfg.model_revision or None
+        if d.local_rank == 0:
+            from_hub(
+                lambda: snapshot_download(cfg.model_name, revision=revision, allow_patterns=patterns), cfg.model_name
+            )
+        dist.barrier()
+        path = Path(snapshot_download(cfg.model_name, revision=revision, allow_patterns=patterns))  # from the cache
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
+            "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
+        )
+    return path
 
-    if d.local_rank == 0:
-        download()
-    dist.barrier()
-    return download()  # from the node's cache now
 
-
-def model_config(path: Path):
-    """The model's config with the cache off."""
+def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
+    """The model's config (hub or local) with the cache off."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    revision = revision if not Path(name).exists() else ""
+    config = from_hub(
+        lambda: AutoConfig.from_pretrained(name, revision=revision or None, trust_remote_code=trust_remote_code),
+        str(name),
+    )
     # use_cache=False on the config and the text config: with a cache, transformers does not derive the
     # block-diagonal mask from position_ids and packed conversations attend to each other.
     config.use_cache = False
@@ -585,7 +654,12 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     image_text = type(config) in AutoModelForImageTextToText._model_mapping
     model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     with torch.device("meta"):
-        model = model_class.from_config(config, attn_implementation=attn, dtype=getattr(torch, cfg.master_dtype))
+        model = model_class.from_config(
+            config,
+            attn_implementation=attn,
+            dtype=getattr(torch, cfg.master_dtype),
+            trust_remote_code=cfg.trust_remote_code,
+        )
     if cfg.activation_checkpointing:
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
         # all-gather its parameters a second time outside FSDP's bookkeeping.
@@ -730,7 +804,7 @@ def _sum_counts(counters) -> Counter:
 
 def packing_stats(cfg: Config, blocks_per_rank: list[int], tokens: int, loss_tokens: int, counts: Counter) -> dict:
     capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
-    skipped = {k: v for k, v in counts.items() if k not in ("conversations", "truncated")}
+    skipped = skip_reasons(counts)
     return {
         "blocks": sum(blocks_per_rank),
         "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
@@ -871,6 +945,8 @@ class Progress:
     step: int = 0
     data: dict = dataclasses.field(default_factory=lambda: {"streams": {}, "next": 0})  # see PackedBlocks
     blocks: int = 0  # blocks this rank has trained on
+    bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
+    bad_in_a_row: int = 0
     stream_counts: dict = dataclasses.field(default_factory=dict)  # slot -> that stream's counts
     window: Counter = dataclasses.field(default_factory=Counter)  # since the last log line
     window_loss: float = 0.0
@@ -885,6 +961,15 @@ class Progress:
     def data_seen(self) -> Counter:
         """Conversations read, skipped (by reason) and truncated by this rank's streams, and blocks trained."""
         return _sum_counts(self.stream_counts.values()) + Counter(blocks=self.blocks)
+
+
+def data_skips(progress: Progress, d: Dist) -> tuple[int, int]:
+    """(records skipped, records read) so far over all ranks."""
+    counts = _sum_counts(progress.stream_counts.values())
+    skipped = sum(skip_reasons(counts).values())
+    total = torch.tensor([skipped, skipped + counts["conversations"]], device=d.device)
+    dist.all_reduce(total)
+    return int(total[0]), int(total[1])
 
 
 def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
@@ -941,20 +1026,43 @@ def training_loop(
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
         scale = d.world_size / max(loss_tokens, 1)
-        window_loss += run_blocks(model, blocks, n_micro, filler, cfg, d, scale)
+        step_loss = run_blocks(model, blocks, n_micro, filler, cfg, d, scale)
         if loss_tokens == 0:  # no rank had a loss token: nothing to learn from, and no division by zero
             optimizer.zero_grad(set_to_none=True)
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        optimizer.step()
+        window = progress.window
+        # A NaN or inf anywhere reaches every rank's global gradient norm, so every rank skips the same steps.
+        # .item() is a sync point, once a step.
+        if math.isfinite(grad_norm.item()):
+            optimizer.step()
+            progress.bad_in_a_row = 0
+            window_loss += step_loss
+            window["loss_tokens"] += loss_tokens
+        else:
+            progress.bad_steps += 1
+            progress.bad_in_a_row += 1
+            print0(
+                d.rank,
+                f"step {progress.step + 1}: non-finite loss or gradient norm, optimizer step skipped "
+                f"({progress.bad_in_a_row} in a row, {progress.bad_steps} in all)",
+            )
+            if progress.bad_in_a_row >= cfg.max_bad_steps:
+                last = complete_checkpoints(cfg)
+                raise RuntimeError(
+                    f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm "
+                    f"at step {progress.step + 1}: stopping. The last checkpoint is "
+                    f"{last[-1] if last else 'none'}; lower learning_rate or look at the data"
+                )
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
-        step, window = progress.step, progress.window
+        step = progress.step
         flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"] / 2
-        window.update(steps=1, flops=flops, **{k: counts[k] for k in ("blocks", "loss_tokens", "tokens")})
+        window.update(steps=1, flops=flops, blocks=counts["blocks"], tokens=counts["tokens"])
         if step % cfg.log_every == 0 or step == total_steps:
+            skipped, records = data_skips(progress, d)
             dist.all_reduce(window_loss)  # .item() below is a sync point: only on logging steps
             now = time.perf_counter()
             seconds = now - last_log
@@ -971,10 +1079,14 @@ def training_loop(
                 "mfu": window["flops"] / seconds / d.world_size / log.peak if log.peak else None,
                 "memory_gib": memory_gib(d.device),
                 "eta_s": (total_steps - step) * seconds / window["steps"],
+                "skipped_records": skipped,
+                "bad_steps": progress.bad_steps,
                 "elapsed_s": now - start,
                 "time": time.time(),
             }
             log.step_line(record)
+            reasons = skip_reasons(_sum_counts(progress.stream_counts.values()))
+            check_skips(skipped, records, {"on this rank": reasons}, cfg)
             result.update(steps=step, final_loss=record["loss"])
             progress.window, last_log = Counter(), now
             window_loss.zero_()
@@ -1149,6 +1261,36 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
 # ------------------------------------------------------------------------------------------------------------
 
 
+def check_output_dir(cfg: Config, d: Dist) -> Path:
+    """Every rank writes its checkpoint shards to output_dir: make sure each can, before anything is loaded."""
+    out = Path(cfg.output_dir)
+    probe = out / f".write-test-rank{d.rank}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
+            "to a directory (or Unity Catalog volume path) this job can write"
+        ) from e
+    return out
+
+
+def check_block_length(cfg: Config, config) -> None:
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_seq_len > limit:
+        raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+
+
+def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
+    if records and skipped / records > cfg.max_skip_fraction:
+        raise ValueError(
+            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
+            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
+        )
+
+
 def train(config: Config | dict | None = None) -> dict:
     """Runs the whole job in this rank's process and returns {final_loss, eval_loss, steps, output_dir}.
 
@@ -1172,16 +1314,18 @@ def _train(cfg: Config, d: Dist) -> dict:
     import transformers
 
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
+    # Everything that can be checked without the weights is checked first, on every rank.
+    out = check_output_dir(cfg, d)
     if d.rank == 0:
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    tokenizer = load_tokenizer(cfg)
     attn = resolve_attention(cfg.attn_implementation, d.device)
-    source = pretrained_dir(cfg, d)
-    config, source_dtypes = model_config(source), checkpoint_dtypes(source)
+    config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
+    check_block_length(cfg, config)
+    tokenizer = load_tokenizer(cfg)
+    for split in [cfg.dataset_split] + ([cfg.eval_split] if cfg.eval_split else []):
+        check_data(cfg, split)
     checkpoints = complete_checkpoints(cfg)
 
     # The step count: from the checkpoint when resuming; else max_steps if set; else the counting pass packs
@@ -1196,7 +1340,10 @@ def _train(cfg: Config, d: Dist) -> dict:
         print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
         if total_steps == 0:
             raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
+        check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
 
+    source = pretrained_dir(cfg, d)
+    source_dtypes = checkpoint_dtypes(source)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
@@ -1267,7 +1414,7 @@ def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:
         print(
             f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
             f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
-            f"skipped { ({k: v for k, v in counts.items() if k not in ('conversations', 'truncated')}) }"
+            f"skipped {skip_reasons(counts)}"
         )
     if out_path:
         with open(out_path, "w") as f:

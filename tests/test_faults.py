@@ -1,0 +1,252 @@
+"""Bad input and faults: clear errors before any model is loaded, counted skips, no NaN step, no hang."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import httpx2
+import pytest
+import torch
+import yaml
+from conftest import ROOT, SAMPLE
+from huggingface_hub.errors import GatedRepoError
+from transformers import AutoModelForCausalLM
+
+import train
+
+GOOD = json.loads(open(SAMPLE).readline())["messages"]
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
+    ({"text": "no conversation column"}, "missing column 'messages'"),
+    ({"messages": "not a list"}, "messages not a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}, "unknown role"),
+    (
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "hi"}]},
+        "empty or non-string content",
+    ),
+    (
+        {"messages": [{"role": "user", "content": ["a", "list"]}, {"role": "assistant", "content": "hi"}]},
+        "empty or non-string content",
+    ),
+    ({"messages": [{"role": "user", "content": "anyone?"}]}, "no assistant turn"),
+    ({"messages": [{"role": "system", "content": "be brief"}]}, "no assistant turn"),
+    (
+        {"messages": [{"role": "assistant", "content": "I talk to myself"}]},
+        "chat template error: No user query found in messages.",
+    ),
+    ({"messages": [{"role": "assistant", "content": "Hello!"}, *GOOD]}, None),  # assistant first: trained
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": TOOL_CALL}]},
+                {"role": "tool", "content": "18C"},
+                {"role": "assistant", "content": "18C in Paris."},
+            ]
+        },
+        "template renders content-dependently",
+    ),  # Qwen3.5 renders an empty tool-call turn differently
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me look.", "tool_calls": [{"function": TOOL_CALL}]},
+                {"role": "tool", "content": "18C"},
+                {"role": "assistant", "content": "18C in Paris."},
+            ]
+        },
+        None,
+    ),
+]
+
+
+def write_jsonl(path, records, raw_lines=()):
+    with open(path, "wb") as f:
+        for r in records:
+            f.write((json.dumps(r) + "\n").encode())
+        for line in raw_lines:
+            f.write(line)
+    return path
+
+
+def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path):
+    data = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [{"messages": GOOD}] + [r for r, _ in MALFORMED],
+        raw_lines=[b"{not json\n", b'{"messages": "\xff\xfe"}\n'],
+    )
+    cfg = train.Config(dataset_name=str(data), max_seq_len=4096)
+    blocks = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 0, 1, epochs=1))
+    expected = {}
+    for _, reason in MALFORMED:
+        if reason:
+            expected[reason] = expected.get(reason, 0) + 1
+    expected["unreadable line"] = 2
+    counts = blocks[-1]["counts"]
+    assert train.skip_reasons(counts) == expected
+    assert counts["conversations"] == 1 + sum(reason is None for _, reason in MALFORMED)
+    text = tokenizer.decode(blocks[0]["input_ids"][0][blocks[0]["labels"][0] != -100])
+    assert "<tool_call>" in text and "get_weather" in text  # the tool call is part of the trained turn
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        (b"", "is empty"),
+        (b"not json at all\nnor this\n", "has no readable line: is it JSON lines?"),
+        (
+            b'{"conversations": []}\n',
+            "has no column 'messages' in its first records; its columns are ['conversations']",
+        ),
+    ],
+)
+def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        train.check_data(train.Config(dataset_name=str(path)), "train")
+
+
+def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
+    job = {
+        "model_name": str(tiny_model_dir),
+        "model_revision": "",
+        "dataset_name": str(SAMPLE),
+        "max_seq_len": 1024,
+        "num_workers": 0,
+        "attn_implementation": "sdpa",
+        "output_dir": str(tmp_path / "o"),
+        **job,
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", str(tmp_path / "job.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "job, message",
+    [
+        ({"messages_column": "conversation"}, "has no column 'conversation'"),
+        ({"output_dir": "/dev/null/out"}, "output_dir /dev/null/out is not writable from rank 0"),
+        ({"max_seq_len": 16384}, "max_seq_len 16384 exceeds the model's max_position_embeddings 8192"),
+        ({"dataset_name": "__BAD__", "max_skip_fraction": 0.5}, "cannot be trained on (more than max_skip_fraction"),
+    ],
+    ids=["column", "output_dir", "block_length", "skip_fraction"],
+)
+def test_misconfiguration_fails_before_any_model_is_loaded(job, message, tiny_model_dir, tmp_path):
+    if job.get("dataset_name") == "__BAD__":  # 60% of the records have no assistant turn
+        bad = {"messages": [{"role": "user", "content": "anyone?"}]}
+        job["dataset_name"] = str(write_jsonl(tmp_path / "bad.jsonl", [{"messages": GOOD}, bad, bad] * 5))
+    rc, output = run_train(tmp_path, tiny_model_dir, **job)
+    assert rc != 0 and message in output, output[-2000:]
+    assert "model: " not in output and "Loading weights" not in output
+
+
+def test_gated_model_without_token_says_to_set_hf_token(monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    response = httpx2.Response(401, request=httpx2.Request("GET", "http://localhost/meta-llama/Llama-3.1-8B"))
+
+    def gated():
+        raise OSError("You are trying to access a gated repo.") from GatedRepoError("gated", response=response)
+
+    with pytest.raises(RuntimeError, match="is gated or private and HF_TOKEN is not set.*secrets: {HF_TOKEN"):
+        train.from_hub(gated, "meta-llama/Llama-3.1-8B")
+    monkeypatch.setenv("HF_TOKEN", "hf_x")  # with a token the hub's own error stands
+    with pytest.raises(OSError, match="gated repo"):
+        train.from_hub(gated, "meta-llama/Llama-3.1-8B")
+
+
+def test_weights_are_read_from_safetensors_only(tiny_model_dir, tmp_path):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (pickled / f.name).write_bytes(f.read_bytes())
+    torch.save({}, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="has no .safetensors weights"):
+        train.pretrained_dir(train.Config(model_name=str(pickled)), d=None)
+
+
+def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["model_type"], config["auto_map"] = "evil", {"AutoConfig": "configuration_evil.EvilConfig"}
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "configuration_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    assert train.Config().trust_remote_code is False
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        train.model_config(custom)
+
+
+def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
+    job = {
+        "model_name": str(tiny_model_dir),
+        "model_revision": "",
+        "dataset_name": str(SAMPLE),
+        "max_seq_len": 1024,
+        "max_steps": 8,
+        "save_every": 2,
+        "num_workers": 0,
+        "attn_implementation": "sdpa",
+        "param_dtype": "float32",
+        "log_every": 1,
+        "max_bad_steps": 3,
+        "output_dir": str(tmp_path / "out"),
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    start = time.time()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "tests/fault_launch.py",
+            str(tmp_path / "job.yaml"),
+            fault,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.time() - start
+
+
+def test_one_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(tiny_model_dir, tmp_path):
+    rc, output, _ = faulty_run(tmp_path, tiny_model_dir, "nan-once")
+    assert rc == 0, output[-3000:]
+    assert "step 2: non-finite loss or gradient norm, optimizer step skipped (1 in a row, 1 in all)" in output
+    records = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 8 and all(math.isfinite(r["loss"]) for r in steps) and steps[-1]["bad_steps"] == 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out/model")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(tiny_model_dir, tmp_path):
+    rc, output, _ = faulty_run(tmp_path, tiny_model_dir, "nan-always")
+    assert rc != 0
+    assert "3 steps in a row with a non-finite loss or gradient norm at step 5: stopping" in output
+    assert "The last checkpoint is " + str(tmp_path / "out/checkpoints/step_00000004") in output
+    assert (tmp_path / "out/checkpoints/step_00000004/complete.json").exists()
+
+
+def test_an_exception_on_one_rank_ends_every_rank_without_hanging(tiny_model_dir, tmp_path):
+    rc, output, seconds = faulty_run(tmp_path, tiny_model_dir, "raise", timeout=120)
+    assert rc != 0 and "injected fault on rank 1" in output
+    assert seconds < 90
