@@ -56,6 +56,21 @@ def build_device():
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
 
 
+def lift_fla_hopper_guard() -> None:
+    """BENCH WORKAROUND (timing only): flash-linear-attention 0.6.0 refuses the gated delta rule's backward on
+    Hopper GPUs with Triton >= 3.4, < 3.7.1 (its issue #640: chunk_bwd_dqkwg computes wrong gradients there); the
+    H200 image has Triton 3.6. Lifting the refusal runs the same kernels, so step times are representative, but
+    the Gated DeltaNet gradients are not to be trusted. Applied to both recipes alike."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return
+    if chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("bench: WORKAROUND fla Hopper/Triton<3.7.1 backward guard lifted (timing only)", flush=True)
+
+
 def random_init_loader(train):
     """A stand-in for train.load_model: the same model class, dtype, use_cache and attention, random weights."""
     import torch
@@ -83,6 +98,7 @@ def cmd_ours(args) -> None:
     sys.path.insert(0, str(ROOT))
     import train
 
+    lift_fla_hopper_guard()
     train.load_model = random_init_loader(train)  # the one change: weights from from_config, not a checkpoint
     config = {
         "model_name": args.model_config,
@@ -117,6 +133,7 @@ def cmd_seed(args) -> None:
                 print(f"BENCH seed_first_step time={time.time():.3f}", flush=True)
 
     register_optimizer_step_post_hook(first_step_done)
+    lift_fla_hopper_guard()
     # Benchmark harness, not the seed's behaviour: its random weights are created on the GPU, as ours are (see
     # build_device). Training is untouched: fully_shard then takes GPU parameters, and .cuda() is a no-op.
     from transformers import AutoModelForImageTextToText

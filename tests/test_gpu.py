@@ -296,16 +296,38 @@ def test_hybrid_leak_variants(models, examples, tokenizer, device):
     assert numbers["one_sequence_mean"] > 3 * base_mean
 
 
-def test_token_losses_equal_plain_cross_entropy_over_full_logits(models, examples, tokenizer, device):
+@contextmanager
+def fla_hopper_guard(bypass: bool):
+    """flash-linear-attention 0.6.0 refuses the gated delta rule's backward on Hopper with Triton >= 3.4, < 3.7.1
+    (its issue #640: chunk_bwd_dqkwg gives wrong results). bypass=True lifts that refusal, for measuring."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        yield
+        return
+    saved = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = saved or bypass
+    try:
+        yield
+    except RuntimeError as e:
+        if FLA_GUARD in str(e):
+            pytest.xfail(f"flash-linear-attention refuses the hybrid backward on this GPU and Triton: {e}")
+        raise
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = saved
+
+
+FLA_GUARD = "Triton >= 3.4.0 and < 3.7.1"
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_token_losses_equal_plain_cross_entropy_over_full_logits(kind, models, examples, tokenizer, device):
     """The chunked, loss-positions-only LM head (chunk 7, so many chunks) against the model's own forward with
     full logits and F.cross_entropy, on the packed block in bf16: values and gradients."""
-    fast, _ = models("hybrid")
+    fast, _ = models(kind)
     block = on(device, packed_block(examples, pad_id(tokenizer)))
     fast.zero_grad(set_to_none=True)
     chunked = train.token_losses(fast, block, chunk_tokens=7)
-    chunked.sum().backward()
-    grads = {n: p.grad.float().clone() for n, p in fast.named_parameters() if p.grad is not None}
-    fast.zero_grad(set_to_none=True)
     logits = fast(
         input_ids=block["input_ids"],
         position_ids=block["position_ids"],
@@ -319,13 +341,55 @@ def test_token_losses_equal_plain_cross_entropy_over_full_logits(models, example
     targets = block["labels"][0, 1:]
     keep = targets != -100
     plain = F.cross_entropy(logits[0, :-1][keep].float(), targets[keep], reduction="none")
-    plain.sum().backward()
     mean, worst = stats(chunked, plain)
+    report(f"{kind}_token_losses_vs_full_logits", loss_mean_abs=mean, loss_max_abs=worst)
+    assert chunked.shape == plain.shape
+    assert mean <= 5e-3 and worst <= 5e-2  # one bf16 rounding of the logits, from differently shaped matmuls
+    with fla_hopper_guard(bypass=False):
+        chunked.sum().backward()
+        grads = {n: p.grad.float().clone() for n, p in fast.named_parameters() if p.grad is not None}
+        fast.zero_grad(set_to_none=True)
+        plain.sum().backward()
     total = sum(float(p.grad.float().norm() ** 2) for p in fast.parameters() if p.grad is not None) ** 0.5
     diff = sum(float((grads[n] - p.grad.float()).norm() ** 2) for n, p in fast.named_parameters() if n in grads) ** 0.5
     missing = [n for n, p in fast.named_parameters() if p.grad is not None and n not in grads]
-    report("token_losses_vs_full_logits", loss_mean_abs=mean, loss_max_abs=worst, grad_rel_err=diff / total)
     fast.zero_grad(set_to_none=True)
-    assert chunked.shape == plain.shape and not missing
-    assert mean <= 5e-3 and worst <= 5e-2  # one bf16 rounding of the logits, from differently shaped matmuls
-    assert diff <= 0.05 * total
+    report(f"{kind}_token_losses_vs_full_logits_grads", grad_rel_err=diff / total)
+    assert not missing and diff <= 0.1 * total  # bf16 noise is a few %; a wrong shift or a lost chunk is O(1)
+
+
+def test_hybrid_gradients_against_fp32_reference(models, examples, tokenizer, device):
+    """bf16 gradients with the real kernels against the fp32 reference (PyTorch kernels), one example alone, per
+    group of parameters. Where fla refuses the backward (Hopper, Triton < 3.7.1) its refusal is lifted for this
+    measurement: large errors in the Gated DeltaNet group then confirm the fla warning (xfail)."""
+    fast, ref = models("hybrid")
+    block = on(device, train.make_block([examples[0]], len(examples[0][0]), pad_id(tokenizer)))
+    import fla.ops.common.chunk_o as chunk_o
+
+    guarded = not chunk_o.TRITON_ABOVE_3_7_1 and chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0
+    for model in (fast, ref):
+        model.zero_grad(set_to_none=True)
+    with fla_hopper_guard(bypass=True):
+        train.token_losses(fast, block).sum().backward()
+    with reference_kernels():
+        train.token_losses(ref, block).sum().backward()
+    groups = {"linear_attn": [], "self_attn": [], "mlp": [], "other": []}
+    fast_params = dict(fast.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        group = next((g for g in groups if f".{g}." in name), "other")
+        groups[group].append((fast_params[name].grad.float(), p.grad))
+    errors = {}
+    for group, pairs in groups.items():
+        if pairs:
+            diff = sum(float((a - b).norm() ** 2) for a, b in pairs) ** 0.5
+            errors[group] = diff / max(sum(float(b.norm() ** 2) for _, b in pairs) ** 0.5, 1e-30)
+    for model in (fast, ref):
+        model.zero_grad(set_to_none=True)
+    report("hybrid_grads_vs_fp32", fla_guard_lifted=guarded, **{f"{g}_rel_err": e for g, e in errors.items()})
+    baseline = max(errors["mlp"], errors["self_attn"])
+    ok = errors["linear_attn"] <= max(3 * baseline, 0.05)
+    if not ok and guarded:
+        pytest.xfail(f"Gated DeltaNet gradients off with fla's Hopper guard lifted: {errors}")
+    assert ok, errors
