@@ -203,6 +203,8 @@ def cmd_flops(args) -> None:
 
 
 def ours_numbers(run: Path, launch: float) -> dict:
+    if not (run / "metrics.jsonl").exists():
+        return {"error": "no metrics.jsonl (no step finished; see log)"}
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     steps = sorted((r for r in records if "loss" in r and "step" in r), key=lambda r: r["step"])
     if not steps:
