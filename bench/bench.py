@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""Throughput benchmark: the recipe (train.py) against the seed recipe, on the Qwen3.8-27B geometry, random init.
+
+Subcommands (bench/run_bench.sh strings them together; docs/BENCHMARKS.md has the results):
+  data SRC OUT --copies N   N shuffled copies of SRC's conversations in one JSONL (the 200 real UltraChat
+                            conversations are ~3 blocks of 32k tokens; a benchmark needs more)
+  ours --model-config DIR --tokenizer DIR --data FILE --seq-len N --steps N --out DIR
+                            under torchrun: train.train(config), the recipe's own code path (packing, FSDP2,
+                            loss, loop, metrics.jsonl), with one change: train.load_model builds the model from
+                            the config with random init (from_config, fp32, use_cache off, the same attention)
+  seed SEED_PY              under torchrun: runs the seed script unchanged (runpy, BENCH_* variables from the
+                            environment) with a global optimizer-step hook that prints when its first step ends
+Both recipes' random weights are created on the GPU (build_device); everything after that is each recipe's own.
+  summary WORK              reads WORK/runs.tsv (one line per run, written by run_bench.sh), prints the table
+                            and writes WORK/summary.json
+  flops --model-config DIR  FLOPs per token of the geometry: the recipe's MFU terms and the Gated DeltaNet term
+
+Steady state: steps 1 and 2 are warm-up; averages are over steps >= 3 (the seed's BENCH_WARMUP=2 does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP_STEPS = 2
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, as train.PEAK_BF16_FLOPS
+GDN_CHUNK = 64  # flash-linear-attention's chunk size for the gated delta rule
+
+
+def cmd_data(args) -> None:
+    lines = [line for line in Path(args.src).read_text().splitlines() if line.strip()]
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.copies):
+        copy = lines[:]
+        rng.shuffle(copy)
+        out += copy
+    Path(args.out).write_text("\n".join(out) + "\n")
+    print(f"wrote {len(out)} conversations ({args.copies} shuffled copies of {len(lines)}) to {args.out}")
+
+
+def build_device():
+    """Where random weights are created: this rank's GPU. On the CPU, random init of this geometry runs at tens
+    of millions of parameters a second (single-threaded normal_), minutes per run; neither recipe's real start
+    (a checkpoint load) is measured by it, so both recipes' weights are created on the GPU."""
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+
+
+def lift_fla_hopper_guard() -> None:
+    """BENCH WORKAROUND (timing only): flash-linear-attention 0.6.0 refuses the gated delta rule's backward on
+    Hopper GPUs with Triton >= 3.4, < 3.7.1 (its issue #640: chunk_bwd_dqkwg computes wrong gradients there); the
+    H200 image has Triton 3.6. Lifting the refusal runs the same kernels, so step times are representative, but
+    the Gated DeltaNet gradients are not to be trusted. Applied to both recipes alike."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return
+    if chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("bench: WORKAROUND fla Hopper/Triton<3.7.1 backward guard lifted (timing only)", flush=True)
+
+
+def random_init_loader(train):
+    """A stand-in for train.load_model: the same model class, dtype, use_cache and attention, random weights."""
+    import torch
+
+    def load_model(cfg, attn: str):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        config = AutoConfig.from_pretrained(cfg.model_name)
+        train.require_kernels(config)
+        config.use_cache = False
+        config.get_text_config().use_cache = False
+        image_text = type(config) in AutoModelForImageTextToText._model_mapping
+        model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        t0 = time.perf_counter()
+        with torch.device(build_device()):
+            model = model_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"bench: random init of {model_class.__name__} in {time.perf_counter() - t0:.1f}s", flush=True)
+        return model
+
+    return load_model
+
+
+def cmd_ours(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    lift_fla_hopper_guard()
+    train.load_model = random_init_loader(train)  # the one change: weights from from_config, not a checkpoint
+    config = {
+        "model_name": args.model_config,
+        "model_revision": "",
+        "tokenizer_name": args.tokenizer,
+        "dataset_name": args.data,
+        "dataset_split": "train",
+        "attn_implementation": args.attn,
+        "max_seq_len": args.seq_len,
+        "max_steps": args.steps,
+        "log_every": 1,
+        "output_dir": args.out,
+    }
+    result = train.train(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"bench: ours done {json.dumps(result)}", flush=True)
+
+
+def cmd_seed(args) -> None:
+    import runpy
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = {"n": 0}
+
+    def first_step_done(optimizer, *_):
+        steps["n"] += 1
+        if steps["n"] == 1:
+            torch.cuda.synchronize()
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"BENCH seed_first_step time={time.time():.3f}", flush=True)
+
+    register_optimizer_step_post_hook(first_step_done)
+    lift_fla_hopper_guard()
+    # Benchmark harness, not the seed's behaviour: its random weights are created on the GPU, as ours are (see
+    # build_device). Training is untouched: fully_shard then takes GPU parameters, and .cuda() is a no-op.
+    from transformers import AutoModelForImageTextToText
+
+    from_config = AutoModelForImageTextToText.from_config
+
+    def from_config_on_gpu(*args, **kwargs):
+        t0 = time.perf_counter()
+        with torch.device(build_device()):
+            model = from_config(*args, **kwargs)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"bench: seed random init in {time.perf_counter() - t0:.1f}s", flush=True)
+        return model
+
+    AutoModelForImageTextToText.from_config = from_config_on_gpu
+    sys.argv = [args.script]
+    runpy.run_path(args.script, run_name="__main__")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FLOPs
+# ------------------------------------------------------------------------------------------------------------
+
+
+def geometry_flops(model_config: str) -> dict:
+    """FLOPs per token of a geometry, counted as the recipe counts them (train.matmul_params on a meta-device
+    model), plus the Gated DeltaNet recurrence that the recipe leaves out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    config = AutoConfig.from_pretrained(model_config)
+    image_text = type(config) in AutoModelForImageTextToText._model_mapping
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config)
+    text = config.get_text_config()
+    n_matmul = train.matmul_params(model)
+    gdn_layers = sum(t == "linear_attention" for t in (getattr(text, "layer_types", None) or []))
+    dk, dv = getattr(text, "linear_key_head_dim", 0), getattr(text, "linear_value_head_dim", 0)
+    heads = getattr(text, "linear_num_value_heads", 0)
+    # Chunked gated delta rule, forward, per value head and token (chunk C): the inter-chunk state work
+    # (v_new = u - w S, o = q S, S += k^T v_new: 6 dk dv) + the intra-chunk triangular products
+    # (K K^T, A (beta k), q k^T: C dk each over half a square; A (beta v), (q k^T) v_new: C dv) + the
+    # triangular solve (C^2 / 3). Training = 3x forward.
+    gdn_fwd_per_head = 6 * dk * dv + GDN_CHUNK * (3 * dk + 2 * dv) + GDN_CHUNK**2 / 3
+    gdn = 3 * gdn_layers * heads * gdn_fwd_per_head
+    return {
+        "matmul_params": n_matmul,
+        "flops_per_token_6N": 6 * n_matmul,
+        "attention_flops_per_sq_token": train.attention_flops_per_sq_token(model),
+        "gdn_flops_per_token": gdn,
+        "gdn_fraction_of_6N": gdn / (6 * n_matmul),
+        "layers": text.num_hidden_layers,
+        "gdn_layers": gdn_layers,
+    }
+
+
+def cmd_flops(args) -> None:
+    print(json.dumps(geometry_flops(args.model_config), indent=1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Summary
+# ------------------------------------------------------------------------------------------------------------
+
+
+def ours_numbers(run: Path, launch: float) -> dict:
+    if not (run / "metrics.jsonl").exists():
+        return {"error": "no metrics.jsonl (no step finished; see log)"}
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    steps = sorted((r for r in records if "loss" in r and "step" in r), key=lambda r: r["step"])
+    if not steps:
+        return {"error": "no step records"}
+    world = None
+    log = (run / "log.txt").read_text(errors="replace") if (run / "log.txt").exists() else ""
+    if m := re.search(r"world_size (\d+)", log):
+        world = int(m.group(1))
+    prev, timed = None, []
+    for r in steps:
+        if prev is not None and r["step"] > WARMUP_STEPS:
+            timed.append((r, r["elapsed_s"] - prev["elapsed_s"]))
+        prev = r
+    out = {
+        "steps": steps[-1]["step"],
+        "first_step_s": steps[0]["time"] - launch,
+        "peak_mem_gib": max(r["memory_gib"] for r in steps),
+        "final_loss": steps[-1]["loss"],
+    }
+    if m := re.search(r"loaded and sharded over \d+ ranks in (\d+)s", log):
+        out["model_build_s"] = int(m.group(1))
+    if timed:
+        seconds = sum(dt for _, dt in timed)
+        out.update(
+            timed_steps=len(timed),
+            s_step=seconds / len(timed),
+            tok_s_gpu=sum(r["tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
+            loss_tok_s_gpu=sum(r["loss_tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
+            mfu_recipe=sum((r["mfu"] or 0) * dt for r, dt in timed) / seconds,
+            world=world,
+        )
+    return out
+
+
+def seed_numbers(run: Path, launch: float) -> dict:
+    log = (run / "log.txt").read_text(errors="replace")
+    out = {}
+    if m := re.search(r"BENCH seed tok_s_gpu=(\S+) s_step=(\S+) steps=(\d+) .*peak_mem_gib=(\S+) loss=(\S+)", log):
+        out.update(
+            tok_s_gpu=float(m.group(1)),
+            s_step=float(m.group(2)),
+            timed_steps=int(m.group(3)),
+            peak_mem_gib=float(m.group(4)),
+            final_loss=float(m.group(5)),
+        )
+    if m := re.search(r"BENCH seed_first_step time=(\S+)", log):
+        out["first_step_s"] = float(m.group(1)) - launch
+    if "OutOfMemoryError" in log or "CUDA out of memory" in log:
+        out["error"] = "CUDA out of memory"
+    elif not out.get("tok_s_gpu"):
+        out["error"] = "no BENCH line (see log)"
+    return out
+
+
+def cmd_summary(args) -> None:
+    work = Path(args.work)
+    runs = []
+    for line in (work / "runs.tsv").read_text().splitlines():
+        kind, gpus, layers, seq, run, launch, rc = line.split("\t")
+        run, launch = Path(run), float(launch)
+        numbers = ours_numbers(run, launch) if kind == "ours" else seed_numbers(run, launch)
+        if rc != "0" and "error" not in numbers:
+            numbers["error"] = f"exit status {rc}"
+        runs.append({"kind": kind, "gpus": int(gpus), "layers": int(layers), "seq_len": int(seq), "rc": rc, **numbers})
+    flops = {}
+    for r in runs:
+        key = r["layers"]
+        if key not in flops:
+            flops[key] = geometry_flops(str(ROOT / "bench" / "configs" / f"qwen3.8-27b-geometry-{key}layers"))
+        f = flops[key]
+        if r.get("s_step"):
+            r["block_tok_s_gpu"] = r["seq_len"] / r["s_step"]  # every token of the block, padding included
+            # The same formula for both: 6 N per token trained (no attention / GDN term), dense bf16 peak.
+            r["mfu_6N"] = f["flops_per_token_6N"] * r["tok_s_gpu"] / PEAK_BF16_FLOPS
+    header = (
+        f"{'run':<5} {'GPUs':>4} {'layers':>6} {'block':>6} {'tok/s/GPU':>10} {'loss tok/s':>10} {'s/step':>7} "
+        f"{'MFU 6N':>7} {'MFU rcp':>7} {'peak GiB':>8} {'1st step s':>10}  note"
+    )
+    print(header)
+
+    def num(r, key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    for r in runs:
+        print(
+            f"{r['kind']:<5} {r['gpus']:>4} {r['layers']:>6} {r['seq_len']:>6} {num(r, 'tok_s_gpu', ',.0f'):>10} "
+            f"{num(r, 'loss_tok_s_gpu', ',.0f'):>10} {num(r, 's_step', '.3f'):>7} {num(r, 'mfu_6N', '.1%'):>7} "
+            f"{num(r, 'mfu_recipe', '.1%'):>7} {num(r, 'peak_mem_gib', '.1f'):>8} {num(r, 'first_step_s', '.0f'):>10}  "
+            f"{r.get('error', '')}"
+        )
+    ratios = []
+    for o in runs:
+        for s in runs:
+            same = all(o[k] == s[k] for k in ("gpus", "layers", "seq_len"))
+            if o["kind"] == "ours" and s["kind"] == "seed" and same and o.get("s_step") and s.get("s_step"):
+                ratios.append(
+                    {
+                        "gpus": o["gpus"],
+                        "layers": o["layers"],
+                        "seq_len": o["seq_len"],
+                        "tok_s_gpu_ratio": o["tok_s_gpu"] / s["tok_s_gpu"],
+                        "step_time_ratio_seed_over_ours": s["s_step"] / o["s_step"],
+                    }
+                )
+    for r in ratios:
+        print(
+            f"ratio ours/seed, {r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens: "
+            f"tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens; seed blocks have none), "
+            f"seed s/step / ours s/step x{r['step_time_ratio_seed_over_ours']:.2f}"
+        )
+    for layers, f in flops.items():
+        print(
+            f"flops {layers} layers: 6N = {f['flops_per_token_6N'] / 1e9:.2f} GFLOP/token; Gated DeltaNet recurrence "
+            f"{f['gdn_flops_per_token'] / 1e6:.1f} MFLOP/token = {f['gdn_fraction_of_6N']:.2%} of 6N (left out)"
+        )
+    summary = {"runs": runs, "ratios": ratios, "flops": {str(k): v for k, v in flops.items()}}
+    (work / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("data")
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--copies", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("ours")
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--attn", default="torch_varlen")
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("seed")
+    p.add_argument("script")
+    p = sub.add_parser("summary")
+    p.add_argument("work")
+    p.add_argument("--out", default="")
+    p = sub.add_parser("flops")
+    p.add_argument("--model-config", required=True)
+    args = parser.parse_args()
+    {"data": cmd_data, "ours": cmd_ours, "seed": cmd_seed, "summary": cmd_summary, "flops": cmd_flops}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The recipe against the seed recipe on this machine: same geometry, tokenizer, data, block length, GPU count and
+# attention backend (torch_varlen). Results and method: docs/BENCHMARKS.md.
+#
+#   bash bench/run_bench.sh NGPUS LAYERS "SEQ_LENS" STEPS
+#
+# For each block length in SEQ_LENS, in order: the recipe, then the seed. The loop stops after the first length
+# at which the seed runs (the seed forms full-vocabulary logits and may not fit at 32k): list 32768 first and
+# shorter fallbacks after it. Runs are appended to $BENCH_WORK/runs.tsv; the table comes from `bench.py summary`.
+#
+# Environment: BENCH_ASSETS (default .bench-assets) holds tok/ (tokenizer files; tokenizer.json is unpacked from
+# tokenizer.json.xz beside it if missing), ultrachat_200.jsonl and seed_train.py. BENCH_WORK (default
+# /tmp/bench), BENCH_COPIES (40 shuffled copies of the 200 conversations), BENCH_KINDS ("ours seed"),
+# BENCH_TIMEOUT (seconds per run, 300), BENCH_ATTN (torch_varlen), BENCH_SUMMARY (also write the summary JSON there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+NGPU=$1 LAYERS=$2 SEQS=$3 STEPS=$4
+A=${BENCH_ASSETS:-.bench-assets}
+W=${BENCH_WORK:-/tmp/bench}
+COPIES=${BENCH_COPIES:-40}
+mkdir -p "$W"
+[ -s "$A/tok/tokenizer.json" ] || xz -dc "$A/tokenizer.json.xz" > "$A/tok/tokenizer.json" || exit 1
+DATA=$W/ultrachat_x$COPIES.jsonl
+[ -s "$DATA" ] || python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$DATA" --copies "$COPIES" || exit 1
+CFG=bench/configs/qwen3.8-27b-geometry-${LAYERS}layers
+export PYTHONUNBUFFERED=1
+for SEQ in $SEQS; do
+  SEED_RC=1
+  for KIND in ${BENCH_KINDS:-ours seed}; do
+    RUN=$W/${KIND}_g${NGPU}_l${LAYERS}_s${SEQ}
+    rm -rf "$RUN" && mkdir -p "$RUN"
+    echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
+    LAUNCH=$(date +%s.%N)
+    if [ "$KIND" = ours ]; then
+      timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
+        --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
+        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" 2>&1 | tee "$RUN/log.txt"
+      RC=${PIPESTATUS[0]}
+    else
+      BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
+        BENCH_MAX_STEPS=$STEPS BENCH_WARMUP=2 timeout "${BENCH_TIMEOUT:-300}" \
+        torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py seed "$A/seed_train.py" 2>&1 | tee "$RUN/log.txt"
+      RC=${PIPESTATUS[0]}
+      SEED_RC=$RC
+    fi
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" >> "$W/runs.tsv"
+  done
+  [ "$SEED_RC" = 0 ] && break
+done
+python3 bench/bench.py summary "$W" ${BENCH_SUMMARY:+--out "$BENCH_SUMMARY"}
