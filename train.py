@@ -10,9 +10,13 @@ The file runs these phases, in this order:
   2. distributed    rank / local rank / world size from the environment (torchrun or a notebook decorator)
   3. data           read this rank's shard -> render the chat template -> mask all but assistant turns ->
                     pack whole conversations into blocks (best-fit decreasing) -> block-diagonal signals
-  4. model          load, use_cache=False, activation checkpointing, fully_shard each decoder layer, then root
-  5. training       global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay
-  6. main           train(config) for notebooks, main() for torchrun
+  4. model          build on the meta device, use_cache=False, activation checkpointing, fully_shard each
+                    decoder layer then the root, each rank reads its own slices of the safetensors checkpoint
+  5. training       global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay;
+                    non-finite steps skipped on every rank together
+  6. checkpoints    sharded DCP checkpoints with each rank's data position; automatic resume; the final
+                    consolidated Hugging Face export to output_dir/model
+  7. entry points   fail-fast checks, train(config) for notebooks and torchrun, --inspect, main()
 
 Launch:
   GPU node:   torchrun --nproc_per_node=8 train.py                       (the default job)
@@ -1059,7 +1063,7 @@ def training_loop(
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         step = progress.step
-        flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"] / 2
+        flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"]
         window.update(steps=1, flops=flops, blocks=counts["blocks"], tokens=counts["tokens"])
         if step % cfg.log_every == 0 or step == total_steps:
             skipped, records = data_skips(progress, d)
@@ -1257,7 +1261,7 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 6. Entry points: train(config) for notebooks and torchrun, --inspect for the data alone
+# 7. Entry points: checks, train(config) for notebooks and torchrun, --inspect for the data alone
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -6,8 +6,8 @@ Subcommands (bench/run_bench.sh strings them together; docs/BENCHMARKS.md has th
                             conversations are ~3 blocks of 32k tokens; a benchmark needs more)
   ours --model-config DIR --tokenizer DIR --data FILE --seq-len N --steps N --out DIR
                             under torchrun: train.train(config), the recipe's own code path (packing, FSDP2,
-                            loss, loop, metrics.jsonl), with one change: train.load_model builds the model from
-                            the config with random init (from_config, fp32, use_cache off, the same attention)
+                            loss, loop, metrics.jsonl), with one change: random weights instead of a checkpoint
+                            (and no checkpoint or export written); see use_random_weights
   seed SEED_PY              under torchrun: runs the seed script unchanged (runpy, BENCH_* variables from the
                             environment) with a global optimizer-step hook that prints when its first step ends
 Both recipes' random weights are created on the GPU (build_device); everything after that is each recipe's own.
@@ -71,27 +71,26 @@ def lift_fla_hopper_guard() -> None:
             print("bench: WORKAROUND fla Hopper/Triton<3.7.1 backward guard lifted (timing only)", flush=True)
 
 
-def random_init_loader(train):
-    """A stand-in for train.load_model: the same model class, dtype, use_cache and attention, random weights."""
+def use_random_weights(train, out: str) -> None:
+    """The one change to the recipe's path: random weights instead of a checkpoint, and no checkpoint or export
+    written (a 6B-parameter geometry would spend minutes writing 100 GB). Model building, FSDP2, packing, the loss
+    and the loop are the recipe's own: train.build_model runs as is; only these four functions are replaced."""
     import torch
 
-    def load_model(cfg, attn: str):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-        config = AutoConfig.from_pretrained(cfg.model_name)
-        train.require_kernels(config)
-        config.use_cache = False
-        config.get_text_config().use_cache = False
-        image_text = type(config) in AutoModelForImageTextToText._model_mapping
-        model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    def random_weights(model, path, source_dtypes) -> None:
         t0 = time.perf_counter()
-        with torch.device(build_device()):
-            model = model_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():  # this rank's shards, already on its GPU
+                local = p.to_local()
+                local.normal_(0.0, 0.02) if local.dim() > 1 else local.zero_()  # qwen3_5 norms are (1 + w)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"bench: random init of {model_class.__name__} in {time.perf_counter() - t0:.1f}s", flush=True)
-        return model
+            print(f"bench: random init of the sharded model in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    return load_model
+    train.pretrained_dir = lambda cfg, d: Path(cfg.model_name)  # a geometry: config.json, no weights
+    train.checkpoint_dtypes = lambda path: {}
+    train.load_pretrained = random_weights
+    train.save_checkpoint = lambda *args, **kwargs: None
+    train.export_hf = lambda *args, **kwargs: Path(out)
 
 
 def cmd_ours(args) -> None:
@@ -99,7 +98,7 @@ def cmd_ours(args) -> None:
     import train
 
     lift_fla_hopper_guard()
-    train.load_model = random_init_loader(train)  # the one change: weights from from_config, not a checkpoint
+    use_random_weights(train, args.out)
     config = {
         "model_name": args.model_config,
         "model_revision": "",
@@ -109,6 +108,7 @@ def cmd_ours(args) -> None:
         "attn_implementation": args.attn,
         "max_seq_len": args.seq_len,
         "max_steps": args.steps,
+        "save_every": 0,
         "log_every": 1,
         "output_dir": args.out,
     }

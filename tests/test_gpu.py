@@ -3,7 +3,7 @@
 Kernels under test: PyTorch's varlen flash attention (`torch_varlen`), flash-linear-attention's chunked gated
 delta rule with `cu_seqlens`, causal-conv1d with `seq_idx`. Models: a qwen3_5 hybrid with the layer pattern of
 bench/configs/qwen3.8-27b-geometry-4layers (3 Gated DeltaNet layers, then 1 gated full-attention layer; the
-full-attention heads keep head_dim 256, the rest is shrunk) and a dense Qwen3, both built as train.load_model
+full-attention heads keep head_dim 256, the rest is shrunk) and a dense Qwen3, both built as train.build_model
 builds them (use_cache off on the config and text config, attention registered by train.resolve_attention).
 
 Tolerance. Every comparison is per loss token. The reference spread is |bf16 alone - fp32 alone|: each example
@@ -129,7 +129,7 @@ def dense_config(vocab_size: int):
 
 
 def build(config, attn: str, device: torch.device):
-    """What train.load_model does, with from_config (random init) instead of from_pretrained; fp32 on CPU."""
+    """The model train.build_model builds (class, attention, use_cache off, fp32), unsharded, with random weights."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = copy.deepcopy(config)
