@@ -1332,10 +1332,10 @@ def _train(cfg: Config, d: Dist) -> dict:
         check_data(cfg, split)
     checkpoints = complete_checkpoints(cfg)
 
-    # The step count: from the checkpoint when resuming; else max_steps if set; else the counting pass packs
-    # the data once (no model needed) to count blocks.
+    # The step count: max_steps if set (also when resuming: a larger one extends the run); else the count a
+    # resumed run started with; else the counting pass packs the data once (no model needed) to count blocks.
     stats, total_steps = None, cfg.max_steps
-    if checkpoints:
+    if checkpoints and not cfg.max_steps:
         total_steps = json.loads((checkpoints[-1] / "complete.json").read_text())["total_steps"]
     elif not cfg.max_steps:
         t0 = time.perf_counter()

@@ -203,3 +203,12 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
     optimizer.step()
     state = optimizer.state[next(iter(model.parameters()))]
     assert state["exp_avg"].dtype == getattr(torch, master)
+
+
+def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_path):
+    command, out = job(tmp_path, tiny_model_dir, "extend", SAMPLE)
+    command = [sys.executable, *command[command.index("train.py") :]]  # one process
+    run([*command, "--max_steps", "3", "--num_workers", "0"], os.environ)
+    output = run([*command, "--max_steps", "5", "--num_workers", "0"], os.environ)
+    assert f"resumed from {out}/checkpoints/step_00000003 (step 3 of 3)" in output
+    assert sorted(losses_by_step(out)) == [1, 2, 3, 4, 5] and "step 5/5" in output
