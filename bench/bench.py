@@ -99,6 +99,12 @@ def cmd_ours(args) -> None:
 
     lift_fla_hopper_guard()
     use_random_weights(train, args.out)
+    if os.environ.get("BENCH_MEMORY_CAP_GIB"):  # e.g. 80: can an 80 GB GPU (H100) take this run?
+        import torch
+
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(float(os.environ["BENCH_MEMORY_CAP_GIB"]) * 2**30 / total, device)
     config = {
         "model_name": args.model_config,
         "model_revision": "",

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 7's whole run, for one call on an nvidia-h200-x8 machine: the full 64-layer Qwen3.8-27B geometry,
+# random init, 32,768-token blocks, 8 ranks, the recipe's defaults against the seed recipe, then the recipe
+# again with each GPU capped at 80 GiB (torch.cuda.set_per_process_memory_fraction) to see whether an 8xH100
+# node could take 32k blocks. Results under $1 (default $OUT); the table is in summary.txt.
+#
+# Device command (carry .device-deps and .bench-assets, as in docs/BENCHMARKS.md):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device-deps/*.whl
+#   tar xJf .device-deps/causal_conv1d-1.7.0-sm90-cp312-torch2.11-cu130.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
+#   bash bench/run_h200x8.sh $OUT
+# Budget: a cold machine autotunes fla's kernels for minutes before step 1 (docs/BENCHMARKS.md), so the first
+# run gets the longest timeout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=${1:-$OUT}
+STEPS=${BENCH_STEPS:-6}
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, causal_conv1d_cuda, fla" || exit 1
+[ -s .bench-assets/tok/tokenizer.json ] || xz -dc .bench-assets/tokenizer.json.xz > .bench-assets/tok/tokenizer.json
+BENCH_TIMEOUT=300 BENCH_WORK=/tmp/b8 bash bench/run_bench.sh 8 64 32768 "$STEPS" > "$R/bench_8gpu.txt" 2>&1
+BENCH_TIMEOUT=150 BENCH_WORK=/tmp/b8cap BENCH_KINDS=ours BENCH_MEMORY_CAP_GIB=80 \
+  bash bench/run_bench.sh 8 64 32768 "$STEPS" > "$R/bench_8gpu_80gib.txt" 2>&1
+mkdir -p /tmp/b8all && cat /tmp/b8/runs.tsv /tmp/b8cap/runs.tsv > /tmp/b8all/runs.tsv
+echo "rows in order: the recipe, the seed, the recipe with each GPU capped at 80 GiB" | tee "$R/summary.txt"
+python3 bench/bench.py summary /tmp/b8all --out "$R/bench_summary.json" 2>&1 | tee -a "$R/summary.txt"
