@@ -708,6 +708,20 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
     dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
+def packed_inputs(block: dict) -> dict:
+    """The model's inputs for a packed block: the token ids and the signals that keep its conversations apart."""
+    return {
+        "input_ids": block["input_ids"],
+        "position_ids": block["position_ids"],  # full attention: rotary positions, and sdpa's block mask
+        "cu_seq_lens_q": block["cu_seqlens"],  # varlen attention and the gated-delta rule
+        "cu_seq_lens_k": block["cu_seqlens"],
+        "max_length_q": block["max_length"],
+        "max_length_k": block["max_length"],
+        "seq_idx": block["seq_idx"],  # causal-conv1d
+        "use_cache": False,  # a cache would also stop sdpa's block mask from being derived
+    }
+
+
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     """Per-token cross-entropy (fp32) at the block's loss positions, in the order they appear.
 
@@ -715,16 +729,7 @@ def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     recomputed in backward: the full-vocabulary logits of a 32k block (248,320 columns, 16 GB in bf16) are
     never formed. The hidden state at t predicts labels[t + 1] (labels follow the Hugging Face convention).
     """
-    hidden = model.model(
-        input_ids=block["input_ids"],
-        position_ids=block["position_ids"],  # full attention: rotary positions, and sdpa's block mask
-        cu_seq_lens_q=block["cu_seqlens"],  # varlen attention and the gated-delta rule
-        cu_seq_lens_k=block["cu_seqlens"],
-        max_length_q=block["max_length"],
-        max_length_k=block["max_length"],
-        seq_idx=block["seq_idx"],  # causal-conv1d
-        use_cache=False,
-    ).last_hidden_state[0]
+    hidden = model.model(**packed_inputs(block)).last_hidden_state[0]
     targets = block["labels"][0, 1:]
     where = (targets != -100).nonzero().squeeze(1)
     head = model.get_output_embeddings()

@@ -207,17 +207,7 @@ def one_sequence(block: dict) -> dict:
 
 def losses_with(model, block: dict, use_cache: bool = False, **overrides) -> torch.Tensor:
     """train.token_losses' forward with some of its arguments changed (use_cache, seq_idx=None, ...)."""
-    kwargs = dict(
-        input_ids=block["input_ids"],
-        position_ids=block["position_ids"],
-        cu_seq_lens_q=block["cu_seqlens"],
-        cu_seq_lens_k=block["cu_seqlens"],
-        max_length_q=block["max_length"],
-        max_length_k=block["max_length"],
-        seq_idx=block["seq_idx"],
-        use_cache=use_cache,
-    )
-    kwargs.update(overrides)
+    kwargs = {**train.packed_inputs(block), "use_cache": use_cache, **overrides}
     hidden = model.model(**kwargs).last_hidden_state[0]
     targets = block["labels"][0, 1:]
     keep = targets != -100
@@ -328,16 +318,7 @@ def test_token_losses_equal_plain_cross_entropy_over_full_logits(kind, models, e
     block = on(device, packed_block(examples, pad_id(tokenizer)))
     fast.zero_grad(set_to_none=True)
     chunked = train.token_losses(fast, block, chunk_tokens=7)
-    logits = fast(
-        input_ids=block["input_ids"],
-        position_ids=block["position_ids"],
-        cu_seq_lens_q=block["cu_seqlens"],
-        cu_seq_lens_k=block["cu_seqlens"],
-        max_length_q=block["max_length"],
-        max_length_k=block["max_length"],
-        seq_idx=block["seq_idx"],
-        use_cache=False,
-    ).logits
+    logits = fast(**train.packed_inputs(block)).logits
     targets = block["labels"][0, 1:]
     keep = targets != -100
     plain = F.cross_entropy(logits[0, :-1][keep].float(), targets[keep], reduction="none")
