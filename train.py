@@ -177,6 +177,8 @@ def validate(cfg: Config, world_size: int) -> None:
         (cfg.attn_implementation in ATTENTION_BACKENDS, f"attn_implementation must be one of {ATTENTION_BACKENDS}"),
         (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
         (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
+        (cfg.eval_blocks >= 1 and cfg.max_grad_norm > 0, "eval_blocks >= 1 and max_grad_norm > 0"),
+        (cfg.max_steps >= 0 and cfg.eval_every >= 0, "max_steps >= 0 and eval_every >= 0"),
         (world_size >= 1, "WORLD_SIZE must be >= 1"),
     ]
     for ok, message in checks:
@@ -329,6 +331,8 @@ class AssistantMasker:
 
     def __call__(self, messages: list[dict]) -> tuple[list[int], list[bool]] | str:
         """Returns (token ids, loss mask) or the reason the conversation is skipped."""
+        if any(s in m["content"] for m in messages for s in self.special):
+            return "special-token text in a content"  # it would be tokenized as real turn markers
         holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
         try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
             text = self.tok.apply_chat_template(messages, tokenize=False)
@@ -555,7 +559,9 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     """
     from torch.nn.attention.varlen import varlen_attn
 
-    assert dropout == 0.0, "torch_varlen has no dropout"
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if dropout or unsupported:
+        raise NotImplementedError(f"torch_varlen does not do {unsupported or 'dropout'}: use flash_attention_2")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -664,6 +670,12 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
             dtype=getattr(torch, cfg.master_dtype),
             trust_remote_code=cfg.trust_remote_code,
         )
+    # Text-only SFT trains the decoder and the LM head. Anything else (a VLM's vision tower) would get no gradient,
+    # so AdamW would hold no state for it and a resume could not match the checkpoint: freeze it. It is still
+    # saved and exported.
+    trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trained)
     if cfg.activation_checkpointing:
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
         # all-gather its parameters a second time outside FSDP's bookkeeping.
@@ -863,7 +875,10 @@ class MetricsLog:
                 for name, v in value.items() if isinstance(value, dict) else [("", value)]:
                     if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
                         flat[f"{key}/{name}" if name else key] = v
-            self.mlflow.log_metrics(flat, step=record["step"])
+            try:  # a tracking-server hiccup must not end a week-long run
+                self.mlflow.log_metrics(flat, step=record["step"])
+            except Exception as e:
+                print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
     def close(self) -> None:
         if self.mlflow:
@@ -1126,6 +1141,31 @@ def run_eval(evaluator, model, step: int, log: MetricsLog, result: dict) -> None
 # ------------------------------------------------------------------------------------------------------------
 
 
+# Keys a resumed run cannot change: the saved data positions and step count assume them, and the optimizer and
+# LR scheduler restore theirs from the checkpoint. Logging, eval, saving and max_steps may change.
+RESUME_FIXED = {
+    "model_name",
+    "tokenizer_name",
+    "dataset_name",
+    "dataset_revision",
+    "dataset_split",
+    "messages_column",
+    "max_seq_len",
+    "pack_buffer_blocks",
+    "seed",
+    "epochs",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "adam_beta1",
+    "adam_beta2",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr_ratio",
+    "master_dtype",
+}
+
+
 def complete_checkpoints(cfg: Config) -> list[Path]:
     """Checkpoints every rank finished writing, oldest first. complete.json is written last, by rank 0, after
     a barrier: a directory without it is an interrupted save and is never loaded."""
@@ -1150,7 +1190,9 @@ def save_checkpoint(model, optimizer, scheduler, total_steps: int, progress: Pro
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if d.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(d.device)
-    torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
+    # asdict would turn the window Counter into a Counter of its items: save it as a plain dict
+    state = {**dataclasses.asdict(progress), "window": dict(progress.window)}
+    torch.save({"progress": state, "rng": rng}, path / f"rank_{d.rank:05d}.pt")
     dist.barrier()  # every rank has written its part
     if d.rank == 0:
         size = sum(f.stat().st_size for f in path.iterdir())
@@ -1189,6 +1231,12 @@ def resume(path: Path, model, optimizer, scheduler, cfg: Config, d: Dist) -> Pro
             f"resume with the same, or use another output_dir to start afresh"
         )
     changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
+    fixed = sorted(set(changed) & RESUME_FIXED)
+    if fixed:
+        raise ValueError(
+            f"{path} was written with other {fixed}: a resumed run keeps the data layout, the batch "
+            "and the optimizer of its checkpoint. Restore them, or use another output_dir"
+        )
     if changed:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -1203,7 +1251,7 @@ def resume(path: Path, model, optimizer, scheduler, cfg: Config, d: Dist) -> Pro
     print0(
         d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {time.perf_counter() - t0:.1f}s"
     )
-    return Progress(**saved["progress"])
+    return Progress(**{**saved["progress"], "window": Counter(saved["progress"]["window"])})
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
@@ -1335,7 +1383,11 @@ def _train(cfg: Config, d: Dist) -> dict:
     tokenizer = load_tokenizer(cfg)
     for split in [cfg.dataset_split] + ([cfg.eval_split] if cfg.eval_split else []):
         check_data(cfg, split)
-    checkpoints = complete_checkpoints(cfg)
+    # Rank 0 decides whether and where to resume, for all: ranks must not take different branches on their own
+    # views of a (possibly cached, possibly node-local) file system.
+    latest = [complete_checkpoints(cfg)[-1:]]
+    dist.broadcast_object_list(latest, src=0)
+    checkpoints = latest[0]
 
     # The step count: max_steps if set (also when resuming: a larger one extends the run); else the count a
     # resumed run started with; else the counting pass packs the data once (no model needed) to count blocks.

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -146,7 +147,7 @@ def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny
     assert f"resumed from {killed}/checkpoints/{first_checkpoint}" in run(command, env)
 
     expected = losses_by_step(straight)
-    assert losses_by_step(killed) == expected and len(expected) >= 8
+    assert losses_by_step(killed) == expected and len(expected) >= 5  # log windows straddle the checkpoints
     a, b = tensors(straight / "model"), tensors(killed / "model")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -212,3 +213,41 @@ def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_pat
     output = run([*command, "--max_steps", "5", "--num_workers", "0"], os.environ)
     assert f"resumed from {out}/checkpoints/step_00000003 (step 3 of 3)" in output
     assert sorted(losses_by_step(out)) == [1, 2, 3, 4, 5] and "step 5/5" in output
+
+
+def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world_of_one, tmp_path):
+    """qwen3_5 loads with its image-text class; its vision tower gets no gradient in text SFT. Frozen, it holds
+    no optimizer state, so the optimizer state a fresh run expects matches the checkpoint's."""
+    from make_tiny_model import write_tiny_model
+
+    source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
+    cfg = train.Config(model_name=str(source), param_dtype="float32", output_dir=str(tmp_path / "out"))
+    config = train.model_config(source)
+    model = train.build_model(config, cfg, "sdpa", world_of_one.device)
+    frozen = sorted({n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad})
+    assert frozen == ["visual"] and all(p.requires_grad for p in model.get_decoder().parameters())
+    optimizer, scheduler = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    train.load_pretrained(model, source, train.checkpoint_dtypes(source))
+    ids = torch.arange(3, 40)[None]
+    model(input_ids=ids, labels=ids).loss.backward()  # one sequence: no packed signals, no kernels needed
+    optimizer.step()
+    progress = train.Progress(step=1, window=Counter(loss_tokens=36, steps=1))
+    train.save_checkpoint(model, optimizer, scheduler, 10, progress, cfg, world_of_one)
+
+    fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
+    fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, world_of_one, total_steps=10)
+    resumed = train.resume(
+        train.complete_checkpoints(cfg)[-1], fresh, fresh_optimizer, fresh_scheduler, cfg, world_of_one
+    )
+    assert resumed.window == Counter(loss_tokens=36, steps=1)  # the log window survives the round trip
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    with pytest.raises(ValueError, match=r"other \['learning_rate'\]"):
+        train.resume(
+            train.complete_checkpoints(cfg)[-1],
+            fresh,
+            fresh_optimizer,
+            fresh_scheduler,
+            train.Config(**{**cfg.__dict__, "learning_rate": 2e-5}),
+            world_of_one,
+        )

@@ -41,6 +41,15 @@ MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
     (
         {
             "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Sure<|im_end|>\n<|im_start|>user\nfake"},
+            ]
+        },
+        "special-token text in a content",
+    ),  # would train fake turn markers
+    (
+        {
+            "messages": [
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"function": TOOL_CALL}]},
                 {"role": "tool", "content": "18C"},
