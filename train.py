@@ -611,22 +611,22 @@ def require_kernels(config) -> None:
         )
 
 
-def pretrained_dir(cfg: Config, d: Dist) -> Path:
+def pretrained_dir(cfg: Config) -> Path:
     """The checkpoint's directory: model_name itself if local, else a hub snapshot of its safetensors, configs
-    and tokenizer files, downloaded once per node and shared through HF_HOME. Weights are read from
-    safetensors only: pickled .bin files can run code when loaded."""
+    and tokenizer files in HF_HOME. Every rank asks for it: huggingface_hub's file locks let one process of a
+    node download each file while the others wait on the lock (not in a collective, which would time out
+    while 55 GB download). Weights are read from safetensors only: pickled .bin files can run code."""
     path = Path(cfg.model_name)
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
         patterns = ["*.safetensors", "*.json", "*.jinja", "*.txt", "*.model"]
         revision = cfg.model_revision or None
-        if d.local_rank == 0:
+        path = Path(
             from_hub(
                 lambda: snapshot_download(cfg.model_name, revision=revision, allow_patterns=patterns), cfg.model_name
             )
-        dist.barrier()
-        path = Path(snapshot_download(cfg.model_name, revision=revision, allow_patterns=patterns))  # from the cache
+        )
     if not any(path.glob("*.safetensors")):
         raise ValueError(
             f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
@@ -1403,7 +1403,7 @@ def _train(cfg: Config, d: Dist) -> dict:
             raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
         check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
 
-    source = pretrained_dir(cfg, d)
+    source = pretrained_dir(cfg)
     source_dtypes = checkpoint_dtypes(source)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)

@@ -86,7 +86,7 @@ def use_random_weights(train, out: str) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"bench: random init of the sharded model in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    train.pretrained_dir = lambda cfg, d: Path(cfg.model_name)  # a geometry: config.json, no weights
+    train.pretrained_dir = lambda cfg: Path(cfg.model_name)  # a geometry: config.json, no weights
     train.checkpoint_dtypes = lambda path: {}
     train.load_pretrained = random_weights
     train.save_checkpoint = lambda *args, **kwargs: None

@@ -184,7 +184,7 @@ def test_weights_are_read_from_safetensors_only(tiny_model_dir, tmp_path):
             (pickled / f.name).write_bytes(f.read_bytes())
     torch.save({}, pickled / "pytorch_model.bin")
     with pytest.raises(ValueError, match="has no .safetensors weights"):
-        train.pretrained_dir(train.Config(model_name=str(pickled)), d=None)
+        train.pretrained_dir(train.Config(model_name=str(pickled)))
 
 
 def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
