@@ -28,6 +28,7 @@ Launch:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -469,7 +470,7 @@ class PackedBlocks(IterableDataset):
     def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
         self.cfg, self.tok, self.split = cfg, tokenizer, split
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
-        self.resume = resume or {"streams": {}, "next": 0}
+        self.resume = copy.deepcopy(resume) or {"streams": {}, "next": 0}  # progress.data moves on
 
     def __iter__(self):
         cfg, worker = self.cfg, get_worker_info()
@@ -1018,20 +1019,21 @@ def training_loop(
     log: MetricsLog,
     evaluator,
     progress: Progress,
+    blocks,
 ) -> dict:
     """Each step takes gradient_accumulation_steps blocks per rank. The loss is the global token mean: every
     rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all ranks) -- FSDP
     averages gradients over ranks, so the world_size cancels and each loss token weighs the same wherever it
     sits. A rank whose data runs out feeds fillers until every rank has; the loop ends when all have.
-    A checkpoint is written every save_every steps and at the end."""
+    A checkpoint is written every save_every steps and at the end. blocks: this rank's block iterator, started
+    at progress.data."""
     from torch.distributed.tensor import DTensor
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     filler = filler_block(pad_id)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     n_matmul, attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
-    loader = block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress.data)
-    data = (b for b in loader)  # a generator: asking an exhausted rank for more blocks is safe however often
+    data = (b for b in blocks)  # a generator: asking an exhausted rank for more blocks is safe however often
     window_loss = torch.tensor(progress.window_loss, device=d.device)
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
     saved_step = progress.step if progress.step else None  # a resumed run starts at a saved step
@@ -1218,12 +1220,9 @@ def save_checkpoint(model, optimizer, scheduler, total_steps: int, progress: Pro
         )
 
 
-def resume(path: Path, model, optimizer, scheduler, cfg: Config, d: Dist) -> Progress:
-    """Loads a complete checkpoint into the sharded model and optimizer and returns this rank's Progress.
-    Data positions are per rank and per worker, so both counts must be unchanged."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    t0 = time.perf_counter()
+def resume_progress(path: Path, cfg: Config, d: Dist) -> Progress:
+    """Checks that this configuration can resume the checkpoint at path and returns this rank's Progress, RNG
+    states restored. Needs no model, so the data stream can restart while the weights load."""
     meta = json.loads((path / "complete.json").read_text())
     if (meta["world_size"], meta["num_workers"]) != (d.world_size, cfg.num_workers):
         raise ValueError(
@@ -1239,19 +1238,27 @@ def resume(path: Path, model, optimizer, scheduler, cfg: Config, d: Dist) -> Pro
         )
     if changed:
         print0(d.rank, f"resuming with configuration changes: {changed}")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    scheduler.load_state_dict(meta["scheduler"])
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: Counters, RNG tuples
     torch.set_rng_state(saved["rng"]["torch"])
     random.setstate(saved["rng"]["python"])
     if "cuda" in saved["rng"]:
         torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
+    return Progress(**{**saved["progress"], "window": Counter(saved["progress"]["window"])})
+
+
+def resume_weights(path: Path, model, optimizer, scheduler, d: Dist) -> None:
+    """Loads the checkpoint's model, optimizer and LR scheduler states into the sharded model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    meta = json.loads((path / "complete.json").read_text())
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    scheduler.load_state_dict(meta["scheduler"])
     print0(
         d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {time.perf_counter() - t0:.1f}s"
     )
-    return Progress(**{**saved["progress"], "window": Counter(saved["progress"]["window"])})
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
@@ -1385,15 +1392,15 @@ def _train(cfg: Config, d: Dist) -> dict:
         check_data(cfg, split)
     # Rank 0 decides whether and where to resume, for all: ranks must not take different branches on their own
     # views of a (possibly cached, possibly node-local) file system.
-    latest = [complete_checkpoints(cfg)[-1:]]
+    latest = [(complete_checkpoints(cfg) or [None])[-1]]
     dist.broadcast_object_list(latest, src=0)
-    checkpoints = latest[0]
+    resume_from = latest[0]
 
     # The step count: max_steps if set (also when resuming: a larger one extends the run); else the count a
     # resumed run started with; else the counting pass packs the data once (no model needed) to count blocks.
     stats, total_steps = None, cfg.max_steps
-    if checkpoints and not cfg.max_steps:
-        total_steps = json.loads((checkpoints[-1] / "complete.json").read_text())["total_steps"]
+    if resume_from and not cfg.max_steps:
+        total_steps = json.loads((resume_from / "complete.json").read_text())["total_steps"]
     elif not cfg.max_steps:
         t0 = time.perf_counter()
         max_blocks, stats = count_blocks(cfg, tokenizer, d)
@@ -1403,16 +1410,18 @@ def _train(cfg: Config, d: Dist) -> dict:
             raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
         check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
 
+    # The data stream starts now: its worker packs the first buffer while the weights load.
+    progress = resume_progress(resume_from, cfg, d) if resume_from else Progress()
+    blocks = iter(block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress.data))
     source = pretrained_dir(cfg)
     source_dtypes = checkpoint_dtypes(source)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
-    if checkpoints:
-        progress = resume(checkpoints[-1], model, optimizer, scheduler, cfg, d)
+    if resume_from:
+        resume_weights(resume_from, model, optimizer, scheduler, d)
     else:
         load_pretrained(model, source, source_dtypes)
-        progress = Progress()
     n_params = sum(p.numel() for p in model.parameters())
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print0(
@@ -1434,7 +1443,9 @@ def _train(cfg: Config, d: Dist) -> dict:
             log.write({"step": 0, "packing": stats})
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
-        result = training_loop(model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress)
+        result = training_loop(
+            model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress, blocks
+        )
         data = [None] * d.world_size
         dist.all_gather_object(data, progress.data_seen())
         summary = dict(_sum_counts(data))

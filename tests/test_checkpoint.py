@@ -236,18 +236,11 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
 
     fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
     fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, world_of_one, total_steps=10)
-    resumed = train.resume(
-        train.complete_checkpoints(cfg)[-1], fresh, fresh_optimizer, fresh_scheduler, cfg, world_of_one
-    )
+    path = train.complete_checkpoints(cfg)[-1]
+    resumed = train.resume_progress(path, cfg, world_of_one)
+    train.resume_weights(path, fresh, fresh_optimizer, fresh_scheduler, world_of_one)
     assert resumed.window == Counter(loss_tokens=36, steps=1)  # the log window survives the round trip
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
     with pytest.raises(ValueError, match=r"other \['learning_rate'\]"):
-        train.resume(
-            train.complete_checkpoints(cfg)[-1],
-            fresh,
-            fresh_optimizer,
-            fresh_scheduler,
-            train.Config(**{**cfg.__dict__, "learning_rate": 2e-5}),
-            world_of_one,
-        )
+        train.resume_progress(path, train.Config(**{**cfg.__dict__, "learning_rate": 2e-5}), world_of_one)
