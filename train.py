@@ -479,7 +479,7 @@ class PackedBlocks(IterableDataset):
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
         source, split = data_source(cfg, self.split)
         masker = AssistantMasker(self.tok)
-        pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        pad_id = pad_token_id(self.tok)
         at = self.resume["streams"].get(slot, {"epoch": 0, "record": 0, "buffer": 0, "block": 0, "counts": {}})
         counts = Counter(at["counts"])
         for epoch in range(at["epoch"], self.epochs):
@@ -504,6 +504,11 @@ class PackedBlocks(IterableDataset):
             block = make_block([buffer[i] for i in members], self.cfg.max_seq_len, pad_id)
             block["counts"], block["position"] = dict(counts), {**where, "block": n}
             yield block
+
+
+def pad_token_id(tokenizer) -> int:
+    """Padding never carries loss, so any id will do; Llama's tokenizer has no pad token: use end-of-sequence."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
@@ -988,13 +993,13 @@ class Progress:
         return _sum_counts(self.stream_counts.values()) + Counter(blocks=self.blocks)
 
 
-def data_skips(progress: Progress, d: Dist) -> tuple[int, int]:
-    """(records skipped, records read) so far over all ranks."""
+def data_skips(progress: Progress, d: Dist) -> tuple[int, int, dict]:
+    """(records skipped, records read) so far over all ranks, and this rank's skips by reason."""
     counts = _sum_counts(progress.stream_counts.values())
-    skipped = sum(skip_reasons(counts).values())
-    total = torch.tensor([skipped, skipped + counts["conversations"]], device=d.device)
+    reasons = skip_reasons(counts)
+    total = torch.tensor([sum(reasons.values()), sum(reasons.values()) + counts["conversations"]], device=d.device)
     dist.all_reduce(total)
-    return int(total[0]), int(total[1])
+    return int(total[0]), int(total[1]), reasons
 
 
 def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
@@ -1029,7 +1034,7 @@ def training_loop(
     at progress.data."""
     from torch.distributed.tensor import DTensor
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     filler = filler_block(pad_id)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     n_matmul, attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
@@ -1088,7 +1093,7 @@ def training_loop(
         flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"]
         window.update(steps=1, flops=flops, blocks=counts["blocks"], tokens=counts["tokens"])
         if step % cfg.log_every == 0 or step == total_steps:
-            skipped, records = data_skips(progress, d)
+            skipped, records, reasons = data_skips(progress, d)
             dist.all_reduce(window_loss)  # .item() below is a sync point: only on logging steps
             now = time.perf_counter()
             seconds = now - last_log
@@ -1111,7 +1116,6 @@ def training_loop(
                 "time": time.time(),
             }
             log.step_line(record)
-            reasons = skip_reasons(_sum_counts(progress.stream_counts.values()))
             check_skips(skipped, records, {"on this rank": reasons}, cfg)
             result.update(steps=step, final_loss=record["loss"])
             progress.window, last_log = Counter(), now
@@ -1441,7 +1445,7 @@ def _train(cfg: Config, d: Dist) -> dict:
     try:
         if stats:
             log.write({"step": 0, "packing": stats})
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = pad_token_id(tokenizer)
         evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
         result = training_loop(
             model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress, blocks
