@@ -66,7 +66,8 @@ class Config:
     attn_implementation: str = "auto"  # auto | flash_attention_2 | torch_varlen | sdpa | eager
     master_dtype: str = "float32"  # weights and optimizer state; bfloat16 = the seed's all-bf16 mode (half the memory)
     param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters
-    activation_checkpointing: bool = True
+    activation_checkpointing: float = 1.0  # fraction of decoder layers recomputed in backward (1 = all, 0 = none)
+    compile: bool = True  # torch.compile the decoder layers' norms and MLPs (compile_elementwise); CPU runs turn it off
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
     dataset_name: str = "HuggingFaceH4/ultrachat_200k"
     dataset_revision: str = "8049631c405ae6576f93f445c6b8166f76f5505a"
@@ -179,6 +180,7 @@ def validate(cfg: Config, world_size: int) -> None:
         (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
         (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
         (cfg.eval_blocks >= 1 and cfg.max_grad_norm > 0, "eval_blocks >= 1 and max_grad_norm > 0"),
+        (0 <= cfg.activation_checkpointing <= 1, "activation_checkpointing is a fraction of the layers, in [0, 1]"),
         (cfg.max_steps >= 0 and cfg.eval_every >= 0, "max_steps >= 0 and eval_every >= 0"),
         (world_size >= 1, "WORLD_SIZE must be >= 1"),
     ]
@@ -682,13 +684,20 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
-    if cfg.activation_checkpointing:
+    layers = model.get_decoder().layers
+    if cfg.activation_checkpointing > 0:
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
-        # all-gather its parameters a second time outside FSDP's bookkeeping.
+        # all-gather its parameters a second time outside FSDP's bookkeeping. A fraction f < 1 recomputes an
+        # evenly spread f of the layers; the others keep their activations (docs/BENCHMARKS.md: GiB per layer).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        f = cfg.activation_checkpointing
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = int((i + 1) * f) > int(i * f)
+    if cfg.compile:
+        compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=torch.float32)
-    for layer in model.get_decoder().layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
@@ -702,6 +711,22 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     model.token_losses = token_losses.__get__(model)
     register_fsdp_forward_method(model, "token_losses")
     return model
+
+
+def compile_elementwise(layers) -> None:
+    """torch.compile the decoder layers' RMSNorms and MLPs. In eager mode each is a chain of memory-bound
+    elementwise kernels (the norms upcast to fp32 and write every intermediate; SiLU and the gate product are
+    separate passes over the MLP's 17,408-wide rows in the 27B); compiled, each chain is one or two fused
+    kernels, and fewer intermediates are saved for backward (docs/BENCHMARKS.md: +10% and 6 GiB less at 32k).
+    The token mixers stay eager: fla's Triton kernels and causal-conv1d are opaque to the compiler. Shapes are
+    static: one graph per input shape and grad mode (a norm sees up to three shapes: hidden states, query and
+    key heads; x training and eval; x full and filler blocks), hence the raised recompile limit (8 by default;
+    past it dynamo runs new shapes eagerly, with a warning)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for layer in layers:
+        for module in layer.modules():
+            if type(module).__name__.endswith(("RMSNorm", "RMSNormGated", "MLP")):
+                module.compile(dynamic=False)
 
 
 def checkpoint_dtypes(path: Path) -> dict:
@@ -1427,11 +1452,14 @@ def _train(cfg: Config, d: Dist) -> dict:
     else:
         load_pretrained(model, source, source_dtypes)
     n_params = sum(p.numel() for p in model.parameters())
+    layers = model.get_decoder().layers
+    recomputed = sum(getattr(layer, "gradient_checkpointing", False) for layer in layers)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print0(
         d.rank,
-        f"model: {config.model_type}, {n_params / 1e6:,.1f}M parameters, {len(model.get_decoder().layers)} "
-        f"decoder layers, attention {attn}, built, sharded over {d.world_size} ranks and loaded in "
+        f"model: {config.model_type}, {n_params / 1e6:,.1f}M parameters, {len(layers)} decoder layers "
+        f"({recomputed} recomputed in backward{', norms and MLPs compiled' if cfg.compile else ''}), "
+        f"attention {attn}, built, sharded over {d.world_size} ranks and loaded in "
         f"{time.perf_counter() - t0:.1f}s, peak host memory {peak_rss:.1f} GiB on rank 0",
     )
     tokens_per_step = cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len

@@ -19,7 +19,7 @@ import train  # noqa: E402
 source, out = Path(sys.argv[1]), Path(sys.argv[2])
 d = train.setup_distributed()
 out.mkdir(parents=True, exist_ok=True)
-cfg = train.Config(model_name=str(source), model_revision="", param_dtype="float32", output_dir=str(out))
+cfg = train.Config(model_name=str(source), model_revision="", param_dtype="float32", output_dir=str(out), compile=False)
 config, dtypes = train.model_config(source), train.checkpoint_dtypes(source)
 model = train.build_model(config, cfg, "sdpa", d.device)
 if len(sys.argv) > 3:

@@ -11,9 +11,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train  # noqa: E402
 
-model_dir, blocks_file, out_file = sys.argv[1:4]
+model_dir, blocks_file, out_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 d = train.setup_distributed()
-cfg = train.Config(model_name=model_dir, model_revision="", param_dtype="float32", activation_checkpointing=True)
+cfg = train.Config(model_name=model_dir, model_revision="", param_dtype="float32", **overrides)
 config = train.model_config(Path(model_dir))
 model = train.build_model(config, cfg, "sdpa", d.device)
 train.load_pretrained(model, Path(model_dir), train.checkpoint_dtypes(Path(model_dir)))
@@ -26,5 +26,7 @@ loss_sum = train.run_blocks(model, blocks, n_micro, filler, cfg, d, scale=d.worl
 dist.all_reduce(loss_sum)
 grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 if d.rank == 0:
-    torch.save({"loss": loss_sum.item() / loss_tokens, "grads": grads, "n_micro": n_micro}, out_file)
+    checkpointed = [layer.gradient_checkpointing for layer in model.get_decoder().layers]
+    result = {"loss": loss_sum.item() / loss_tokens, "grads": grads, "n_micro": n_micro, "checkpointed": checkpointed}
+    torch.save(result, out_file)
 dist.destroy_process_group()

@@ -83,6 +83,7 @@ def job(tmp_path, tiny_model_dir, name, data):
     out = tmp_path / name
     config = {
         "model_name": str(tiny_model_dir),
+        "compile": False,  # CPU: compiling would only add time
         "model_revision": "",
         "dataset_name": str(data),
         "max_seq_len": 1024,
@@ -188,7 +189,7 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    cfg = train.Config(model_name=str(tiny_model_dir), master_dtype=master, activation_checkpointing=True)
+    cfg = train.Config(model_name=str(tiny_model_dir), master_dtype=master, compile=False)
     model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
     layers = model.get_decoder().layers
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in layers)
@@ -221,7 +222,7 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     from make_tiny_model import write_tiny_model
 
     source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
-    cfg = train.Config(model_name=str(source), param_dtype="float32", output_dir=str(tmp_path / "out"))
+    cfg = train.Config(model_name=str(source), param_dtype="float32", output_dir=str(tmp_path / "out"), compile=False)
     config = train.model_config(source)
     model = train.build_model(config, cfg, "sdpa", world_of_one.device)
     frozen = sorted({n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad})

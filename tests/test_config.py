@@ -31,8 +31,8 @@ def test_precedence_parameters_then_config_file_then_flags(tmp_path, monkeypatch
 
 def test_flag_values_are_typed(monkeypatch):
     monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
-    cfg, modes = train.parse_args(["--learning_rate", "2e-5", "--activation_checkpointing", "false", "--inspect", "3"])
-    assert cfg.learning_rate == 2e-5 and cfg.activation_checkpointing is False and modes["inspect"] == 3
+    cfg, modes = train.parse_args(["--learning_rate", "2e-5", "--compile", "true", "--inspect", "3"])
+    assert cfg.learning_rate == 2e-5 and cfg.compile is True and modes["inspect"] == 3
 
 
 def test_yaml_exponent_without_dot_is_a_float(tmp_path, monkeypatch):
@@ -52,7 +52,8 @@ def test_int_is_accepted_for_a_float_field(monkeypatch):
         (["--learning_rat", "1e-5"], "unknown configuration key 'learning_rat'"),
         (["--max_steps", "ten"], "'max_steps' (from command line) must be int"),
         (["--epochs", "1.5"], "'epochs' (from command line) must be int"),
-        (["--activation_checkpointing", "maybe"], "'activation_checkpointing' (from command line) must be bool"),
+        (["--compile", "maybe"], "'compile' (from command line) must be bool"),
+        (["--activation_checkpointing", "true"], "'activation_checkpointing' (from command line) must be float"),
     ],
 )
 def test_bad_flags_name_the_key(args, message, monkeypatch):
@@ -80,6 +81,7 @@ def test_train_rejects_unknown_keys_before_loading_anything():
         ({"lr_schedule": "exp"}, "lr_schedule"),
         ({"attn_implementation": "flash3"}, "attn_implementation"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"activation_checkpointing": 1.5}, "activation_checkpointing"),
     ],
 )
 def test_settings_that_cannot_work_fail_validation(override, message):

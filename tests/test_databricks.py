@@ -69,6 +69,7 @@ def test_multi_node_example_takes_the_token_from_a_secret():
 def tiny_override(tmp_path, tiny_model_dir, **extra):
     job = {
         "model_name": str(tiny_model_dir),
+        "compile": False,  # CPU: compiling would only add time
         "model_revision": "",
         "tokenizer_name": "",
         "dataset_name": str(SAMPLE),

@@ -29,8 +29,15 @@ def torchrun(*args, timeout=300, env=None):
     return proc.stdout
 
 
+@pytest.mark.parametrize(
+    "overrides, checkpointed",
+    [
+        ({"activation_checkpointing": 1.0, "compile": False}, [True, True]),
+        ({"activation_checkpointing": 0.5, "compile": True}, [False, True]),  # half the layers recomputed
+    ],
+)
 def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
-    tiny_model_dir, tokenizer, conversations, tmp_path
+    tiny_model_dir, tokenizer, conversations, tmp_path, overrides, checkpointed
 ):
     masker = train.AssistantMasker(tokenizer)
     ex = [masker(c) for c in conversations[:6]]
@@ -41,8 +48,10 @@ def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
 
     per_rank = [[block(ex[0:2], 30), block(ex[2:4], 0), block(ex[4:5], 200)], [block(ex[5:6], 10)]]
     (tmp_path / "blocks.json").write_text(json.dumps(per_rank))
-    torchrun(ROOT / "tests/dist_grad_check.py", tiny_model_dir, tmp_path / "blocks.json", tmp_path / "out.pt")
+    args = tmp_path / "blocks.json", tmp_path / "out.pt", json.dumps(overrides)
+    torchrun(ROOT / "tests/dist_grad_check.py", tiny_model_dir, *args)
     got = torch.load(tmp_path / "out.pt")
+    assert got["checkpointed"] == checkpointed
 
     config = train.model_config(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, attn_implementation="sdpa")
@@ -58,6 +67,7 @@ def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
 def run_training(tmp_path, tiny_model_dir, data, **overrides):
     job = {
         "model_name": str(tiny_model_dir),
+        "compile": False,  # CPU: compiling would only add time
         "model_revision": "",
         "dataset_name": str(data),
         "max_seq_len": 2048,

@@ -124,6 +124,7 @@ def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
 def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
     job = {
         "model_name": str(tiny_model_dir),
+        "compile": False,  # CPU: compiling would only add time
         "model_revision": "",
         "dataset_name": str(SAMPLE),
         "max_seq_len": 1024,
@@ -202,6 +203,7 @@ def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
 def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
     job = {
         "model_name": str(tiny_model_dir),
+        "compile": False,  # CPU: compiling would only add time
         "model_revision": "",
         "dataset_name": str(SAMPLE),
         "max_seq_len": 1024,
