@@ -95,6 +95,8 @@ def use_random_weights(train, out: str) -> None:
 
 def cmd_ours(args) -> None:
     sys.path.insert(0, str(ROOT))
+    import yaml
+
     import train
 
     lift_fla_hopper_guard()
@@ -118,6 +120,14 @@ def cmd_ours(args) -> None:
         "log_every": 1,
         "output_dir": args.out,
     }
+    for setting in args.set:  # the recipe's own settings, as the command line would give them
+        key, _, value = setting.partition("=")
+        config[key] = train._checked(key, yaml.safe_load(value), "--set")
+    if os.environ.get("BENCH_RESHARD_AFTER_FORWARD") == "0":  # experiment: keep layers unsharded until backward
+        import torch.distributed.fsdp as fsdp
+
+        fully_shard = fsdp.fully_shard
+        fsdp.fully_shard = lambda module, **kwargs: fully_shard(module, reshard_after_forward=False, **kwargs)
     result = train.train(config)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
@@ -157,6 +167,128 @@ def cmd_seed(args) -> None:
     AutoModelForImageTextToText.from_config = from_config_on_gpu
     sys.argv = [args.script]
     runpy.run_path(args.script, run_name="__main__")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Per-layer memory
+# ------------------------------------------------------------------------------------------------------------
+
+
+def cmd_layers(args) -> None:
+    """Activation memory per decoder layer at one block length, on one GPU, for the memory arithmetic of
+    docs/BENCHMARKS.md: a 2-layer model of the geometry (one Gated DeltaNet layer, one gated full-attention
+    layer) in bf16, the recipe's packing of the real data into one block, the recipe's token_losses. For each of
+    eager / compiled (train.compile_elementwise) x recomputed / kept: what each layer's forward leaves allocated
+    until backward (forward hooks around it), the peak of forward + backward over what was allocated before,
+    and the time of forward + backward. Then the LM head's chunked loss alone at several loss_chunk_tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    lift_fla_hopper_guard()
+    device = torch.device("cuda")
+    attn = train.resolve_attention(args.attn, device)
+    config = AutoConfig.from_pretrained(args.model_config).get_text_config()
+    config.num_hidden_layers, config.layer_types = 2, ["linear_attention", "full_attention"]
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
+    train.require_kernels(model.config)
+    model.train()
+    model.token_losses = train.token_losses.__get__(model)
+    cfg = train.Config(
+        model_name=args.model_config,
+        model_revision="",
+        tokenizer_name=args.tokenizer,
+        dataset_name=args.data,
+        dataset_split="train",
+        max_seq_len=args.seq_len,
+        num_workers=0,
+        pack_buffer_blocks=4,
+    )
+    tokenizer = train.load_tokenizer(cfg)
+    block = train.to_device(next(iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1))), device)
+    layers = model.model.layers
+    kinds = [layer.block_type for layer in layers]
+    state_bytes = {k: sum(p.numel() for p in layer.parameters()) * 16 for k, layer in zip(kinds, layers)}
+    retained = {}
+
+    def before(layer, *_):
+        retained[layer.block_type] = -torch.cuda.memory_allocated()
+
+    def after(layer, *_):
+        retained[layer.block_type] += torch.cuda.memory_allocated()
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(after)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    rows = []
+
+    def measure(name: str, recompute: bool) -> None:
+        for layer in layers:
+            layer.gradient_checkpointing = recompute
+        for _ in range(3):  # the first runs autotune fla's kernels and compile; the last is measured
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.token_losses(block, 4096).sum().backward()
+            end.record()
+            torch.cuda.synchronize()
+        row = {
+            "variant": name,
+            "recompute": recompute,
+            **{f"kept_mib_{k}": v / 2**20 for k, v in retained.items()},
+            "peak_over_base_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "fwd_bwd_ms": start.elapsed_time(end),
+        }
+        rows.append(row)
+        print("bench layers:", json.dumps(row), flush=True)
+
+    measure("eager", True)
+    measure("eager", False)
+    train.compile_elementwise(layers)
+    measure("compiled", True)
+    measure("compiled", False)
+    model.zero_grad(set_to_none=True)
+
+    # The LM head's loss alone: hidden states of the whole block, loss positions of the real block.
+    hidden = torch.randn(1, args.seq_len, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    model.model.forward = lambda **kwargs: type("Out", (), {"last_hidden_state": hidden})
+    for chunk in (8192, 4096, 2048, 1024):
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.token_losses(block, chunk).sum().backward()
+            end.record()
+            torch.cuda.synchronize()
+            hidden.grad = None
+            model.zero_grad(set_to_none=True)
+        row = {
+            "variant": f"lm head loss, loss_chunk_tokens {chunk}",
+            "peak_over_base_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "fwd_bwd_ms": start.elapsed_time(end),
+        }
+        rows.append(row)
+        print("bench layers:", json.dumps(row), flush=True)
+    summary = {
+        "seq_len": args.seq_len,
+        "block_tokens": block["tokens"],
+        "block_loss_tokens": block["loss_tokens"],
+        "layer_param_state_bytes_16_per_param": state_bytes,
+        "hidden_state_mib": args.seq_len * config.hidden_size * 2 / 2**20,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -230,8 +362,8 @@ def ours_numbers(run: Path, launch: float) -> dict:
         "peak_mem_gib": max(r["memory_gib"] for r in steps),
         "final_loss": steps[-1]["loss"],
     }
-    if m := re.search(r"loaded and sharded over \d+ ranks in (\d+)s", log):
-        out["model_build_s"] = int(m.group(1))
+    if m := re.search(r"sharded over \d+ ranks and loaded in ([\d.]+)s", log):
+        out["model_build_s"] = float(m.group(1))
     if timed:
         seconds = sum(dt for _, dt in timed)
         out.update(
@@ -269,12 +401,16 @@ def cmd_summary(args) -> None:
     work = Path(args.work)
     runs = []
     for line in (work / "runs.tsv").read_text().splitlines():
-        kind, gpus, layers, seq, run, launch, rc = line.split("\t")
+        kind, gpus, layers, seq, run, launch, rc, *variant = line.split("\t")  # older lines have no variant
         run, launch = Path(run), float(launch)
         numbers = ours_numbers(run, launch) if kind == "ours" else seed_numbers(run, launch)
         if rc != "0" and "error" not in numbers:
             numbers["error"] = f"exit status {rc}"
-        runs.append({"kind": kind, "gpus": int(gpus), "layers": int(layers), "seq_len": int(seq), "rc": rc, **numbers})
+        variant = variant[0] if variant else kind if kind == "seed" else "default"
+        runs.append(
+            {"kind": kind, "variant": variant, "gpus": int(gpus), "layers": int(layers), "seq_len": int(seq), "rc": rc}
+            | numbers
+        )
     flops = {}
     for r in runs:
         key = r["layers"]
@@ -286,8 +422,8 @@ def cmd_summary(args) -> None:
             # The same formula for both: 6 N per token trained (no attention / GDN term), dense bf16 peak.
             r["mfu_6N"] = f["flops_per_token_6N"] * r["tok_s_gpu"] / PEAK_BF16_FLOPS
     header = (
-        f"{'run':<5} {'GPUs':>4} {'layers':>6} {'block':>6} {'tok/s/GPU':>10} {'loss tok/s':>10} {'s/step':>7} "
-        f"{'MFU 6N':>7} {'MFU rcp':>7} {'peak GiB':>8} {'1st step s':>10}  note"
+        f"{'run':<5} {'variant':<14} {'GPUs':>4} {'layers':>6} {'block':>6} {'tok/s/GPU':>10} {'loss tok/s':>10} "
+        f"{'s/step':>7} {'MFU 6N':>7} {'MFU rcp':>7} {'peak GiB':>8} {'1st step s':>10}  note"
     )
     print(header)
 
@@ -296,9 +432,10 @@ def cmd_summary(args) -> None:
 
     for r in runs:
         print(
-            f"{r['kind']:<5} {r['gpus']:>4} {r['layers']:>6} {r['seq_len']:>6} {num(r, 'tok_s_gpu', ',.0f'):>10} "
-            f"{num(r, 'loss_tok_s_gpu', ',.0f'):>10} {num(r, 's_step', '.3f'):>7} {num(r, 'mfu_6N', '.1%'):>7} "
-            f"{num(r, 'mfu_recipe', '.1%'):>7} {num(r, 'peak_mem_gib', '.1f'):>8} {num(r, 'first_step_s', '.0f'):>10}  "
+            f"{r['kind']:<5} {r['variant']:<14} {r['gpus']:>4} {r['layers']:>6} {r['seq_len']:>6} "
+            f"{num(r, 'tok_s_gpu', ',.0f'):>10} {num(r, 'loss_tok_s_gpu', ',.0f'):>10} {num(r, 's_step', '.3f'):>7} "
+            f"{num(r, 'mfu_6N', '.1%'):>7} {num(r, 'mfu_recipe', '.1%'):>7} {num(r, 'peak_mem_gib', '.1f'):>8} "
+            f"{num(r, 'first_step_s', '.0f'):>10}  "
             f"{r.get('error', '')}"
         )
     ratios = []
@@ -308,6 +445,7 @@ def cmd_summary(args) -> None:
             if o["kind"] == "ours" and s["kind"] == "seed" and same and o.get("s_step") and s.get("s_step"):
                 ratios.append(
                     {
+                        "variant": o["variant"],
                         "gpus": o["gpus"],
                         "layers": o["layers"],
                         "seq_len": o["seq_len"],
@@ -317,7 +455,7 @@ def cmd_summary(args) -> None:
                 )
     for r in ratios:
         print(
-            f"ratio ours/seed, {r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens: "
+            f"ratio ours ({r['variant']})/seed, {r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens: "
             f"tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens; seed blocks have none), "
             f"seed s/step / ours s/step x{r['step_time_ratio_seed_over_ours']:.2f}"
         )
@@ -348,15 +486,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--attn", default="torch_varlen")
     p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe setting (YAML scalar)")
     p = sub.add_parser("seed")
     p.add_argument("script")
+    p = sub.add_parser("layers")
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, default=32768)
+    p.add_argument("--attn", default="torch_varlen")
+    p.add_argument("--out", required=True)
     p = sub.add_parser("summary")
     p.add_argument("work")
     p.add_argument("--out", default="")
     p = sub.add_parser("flops")
     p.add_argument("--model-config", required=True)
     args = parser.parse_args()
-    {"data": cmd_data, "ours": cmd_ours, "seed": cmd_seed, "summary": cmd_summary, "flops": cmd_flops}[args.cmd](args)
+    {
+        "data": cmd_data,
+        "ours": cmd_ours,
+        "seed": cmd_seed,
+        "layers": cmd_layers,
+        "summary": cmd_summary,
+        "flops": cmd_flops,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

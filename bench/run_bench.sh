@@ -11,7 +11,10 @@
 # Environment: BENCH_ASSETS (default .bench-assets) holds tok/ (tokenizer files; tokenizer.json is unpacked from
 # tokenizer.json.xz beside it if missing), ultrachat_200.jsonl and seed_train.py. BENCH_WORK (default
 # /tmp/bench), BENCH_COPIES (40 shuffled copies of the 200 conversations), BENCH_KINDS ("ours seed"),
-# BENCH_TIMEOUT (seconds per run, 300), BENCH_ATTN (torch_varlen), BENCH_SUMMARY (also write the summary JSON there).
+# BENCH_OURS_ARGS (extra `bench.py ours` arguments, e.g. "--set activation_checkpointing=0.5"), BENCH_VARIANT
+# (the name the summary gives those settings, default "default"),
+# BENCH_TIMEOUT (seconds per run, 300), BENCH_ATTN (torch_varlen), BENCH_SUMMARY (also write the summary JSON there),
+# BENCH_NO_SUMMARY (set: print no summary, for scripts that run several cases).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NGPU=$1 LAYERS=$2 SEQS=$3 STEPS=$4
@@ -27,14 +30,16 @@ export PYTHONUNBUFFERED=1
 for SEQ in $SEQS; do
   SEED_RC=1
   for KIND in ${BENCH_KINDS:-ours seed}; do
-    RUN=$W/${KIND}_g${NGPU}_l${LAYERS}_s${SEQ}
+    VARIANT=${BENCH_VARIANT:-default}
+    [ "$KIND" = seed ] && VARIANT=seed
+    RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}
     rm -rf "$RUN" && mkdir -p "$RUN"
     echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
     LAUNCH=$(date +%s.%N)
     if [ "$KIND" = ours ]; then
       timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
         --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
-        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" 2>&1 | tee "$RUN/log.txt"
+        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_OURS_ARGS:-} 2>&1 | tee "$RUN/log.txt"
       RC=${PIPESTATUS[0]}
     else
       BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
@@ -43,8 +48,9 @@ for SEQ in $SEQS; do
       RC=${PIPESTATUS[0]}
       SEED_RC=$RC
     fi
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" >> "$W/runs.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" "$VARIANT" \
+      >> "$W/runs.tsv"
   done
   [ "$SEED_RC" = 0 ] && break
 done
-python3 bench/bench.py summary "$W" ${BENCH_SUMMARY:+--out "$BENCH_SUMMARY"}
+[ -n "${BENCH_NO_SUMMARY:-}" ] || python3 bench/bench.py summary "$W" ${BENCH_SUMMARY:+--out "$BENCH_SUMMARY"}
