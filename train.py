@@ -690,9 +690,10 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         # all-gather its parameters a second time outside FSDP's bookkeeping. A fraction f < 1 recomputes an
         # evenly spread f of the layers; the others keep their activations (docs/BENCHMARKS.md: GiB per layer).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        f = cfg.activation_checkpointing
+        n = len(layers)
+        k = round(cfg.activation_checkpointing * n)  # layers recomputed; integer arithmetic below spreads them
         for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = int((i + 1) * f) > int(i * f)
+            layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
