@@ -3,12 +3,30 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 SAMPLE = ROOT / "data" / "ultrachat_sample.jsonl"
+
+
+def write_tiny_job(path: Path, tiny_model_dir, **settings) -> Path:
+    """A CPU training job on the tiny model as a YAML file for --config: what every test that trains shares,
+    then its own settings (which may override these)."""
+    job = {
+        "model_name": str(tiny_model_dir),
+        "model_revision": "",
+        "compile": False,  # torch.compile pays off on GPUs; on CPU it would only add compile time
+        "attn_implementation": "sdpa",
+        "dataset_name": str(SAMPLE),
+        "max_seq_len": 1024,
+        "num_workers": 0,
+        **settings,
+    }
+    path.write_text(yaml.safe_dump(job))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-import yaml
-from conftest import ROOT, SAMPLE
+from conftest import ROOT, SAMPLE, write_tiny_job
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_distributed import torchrun
@@ -81,26 +80,22 @@ def test_sharded_load_equals_from_pretrained_and_the_export_keeps_every_tensor(b
 
 def job(tmp_path, tiny_model_dir, name, data):
     out = tmp_path / name
-    config = {
-        "model_name": str(tiny_model_dir),
-        "compile": False,  # CPU: compiling would only add time
-        "model_revision": "",
-        "dataset_name": str(data),
-        "max_seq_len": 1024,
-        "pack_buffer_blocks": 4,
-        "num_workers": 2,
-        "gradient_accumulation_steps": 2,
-        "attn_implementation": "sdpa",
-        "param_dtype": "float32",
-        "learning_rate": 3e-3,
-        "warmup_steps": 2,
-        "log_every": 1,
-        "save_every": 3,
-        "keep_checkpoints": 2,
-        "output_dir": str(out),
-    }
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    return [*TORCHRUN, "train.py", "--config", str(tmp_path / f"{name}.yaml")], out
+    config = write_tiny_job(
+        tmp_path / f"{name}.yaml",
+        tiny_model_dir,
+        dataset_name=str(data),
+        pack_buffer_blocks=4,
+        num_workers=2,
+        gradient_accumulation_steps=2,
+        param_dtype="float32",
+        learning_rate=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        save_every=3,
+        keep_checkpoints=2,
+        output_dir=str(out),
+    )
+    return [*TORCHRUN, "train.py", "--config", str(config)], out
 
 
 def kill_all(marker: str) -> int:

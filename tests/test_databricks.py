@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLE
+from conftest import ROOT, SAMPLE, write_tiny_job
 
 import train
 
@@ -67,27 +67,20 @@ def test_multi_node_example_takes_the_token_from_a_secret():
 
 
 def tiny_override(tmp_path, tiny_model_dir, **extra):
-    job = {
-        "model_name": str(tiny_model_dir),
-        "compile": False,  # CPU: compiling would only add time
-        "model_revision": "",
-        "tokenizer_name": "",
-        "dataset_name": str(SAMPLE),
-        "dataset_split": "train",
-        "eval_split": str(SAMPLE),
-        "eval_blocks": 1,
-        "max_seq_len": 1024,
-        "max_steps": 3,
-        "save_every": 0,
-        "attn_implementation": "sdpa",
-        "param_dtype": "float32",
-        "num_workers": 0,
-        "log_every": 1,
-        "output_dir": str(tmp_path / "out"),
+    return write_tiny_job(
+        tmp_path / "tiny.yaml",
+        tiny_model_dir,
+        tokenizer_name="",
+        dataset_split="train",
+        eval_split=str(SAMPLE),
+        eval_blocks=1,
+        max_steps=3,
+        save_every=0,
+        param_dtype="float32",
+        log_every=1,
+        output_dir=str(tmp_path / "out"),
         **extra,
-    }
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(job))
-    return tmp_path / "tiny.yaml"
+    )
 
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-import yaml
-from conftest import ROOT, SAMPLE
+from conftest import ROOT, SAMPLE, write_tiny_job
 from transformers import AutoModelForCausalLM
 
 import train
@@ -65,23 +64,19 @@ def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
 
 
 def run_training(tmp_path, tiny_model_dir, data, **overrides):
-    job = {
-        "model_name": str(tiny_model_dir),
-        "compile": False,  # CPU: compiling would only add time
-        "model_revision": "",
-        "dataset_name": str(data),
-        "max_seq_len": 2048,
-        "num_workers": 0,
-        "attn_implementation": "sdpa",
-        "param_dtype": "float32",
-        "learning_rate": 3e-3,
-        "warmup_steps": 2,
-        "log_every": 1,
-        "output_dir": str(tmp_path / "out"),
+    config = write_tiny_job(
+        tmp_path / "job.yaml",
+        tiny_model_dir,
+        dataset_name=str(data),
+        max_seq_len=2048,
+        param_dtype="float32",
+        learning_rate=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        output_dir=str(tmp_path / "out"),
         **overrides,
-    }
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    stdout = torchrun(ROOT / "tests/launch_train.py", tmp_path / "job.yaml", tmp_path)
+    )
+    stdout = torchrun(ROOT / "tests/launch_train.py", config, tmp_path)
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
     metrics = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     return stdout, results, metrics

@@ -10,8 +10,7 @@ import time
 import httpx2
 import pytest
 import torch
-import yaml
-from conftest import ROOT, SAMPLE
+from conftest import ROOT, SAMPLE, write_tiny_job
 from huggingface_hub.errors import GatedRepoError
 from transformers import AutoModelForCausalLM
 
@@ -122,20 +121,9 @@ def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
 
 
 def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
-    job = {
-        "model_name": str(tiny_model_dir),
-        "compile": False,  # CPU: compiling would only add time
-        "model_revision": "",
-        "dataset_name": str(SAMPLE),
-        "max_seq_len": 1024,
-        "num_workers": 0,
-        "attn_implementation": "sdpa",
-        "output_dir": str(tmp_path / "o"),
-        **job,
-    }
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **{"output_dir": str(tmp_path / "o"), **job})
     proc = subprocess.run(
-        [sys.executable, "train.py", "--config", str(tmp_path / "job.yaml")],
+        [sys.executable, "train.py", "--config", str(config)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -201,22 +189,16 @@ def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
 
 
 def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
-    job = {
-        "model_name": str(tiny_model_dir),
-        "compile": False,  # CPU: compiling would only add time
-        "model_revision": "",
-        "dataset_name": str(SAMPLE),
-        "max_seq_len": 1024,
-        "max_steps": 8,
-        "save_every": 2,
-        "num_workers": 0,
-        "attn_implementation": "sdpa",
-        "param_dtype": "float32",
-        "log_every": 1,
-        "max_bad_steps": 3,
-        "output_dir": str(tmp_path / "out"),
-    }
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    config = write_tiny_job(
+        tmp_path / "job.yaml",
+        tiny_model_dir,
+        max_steps=8,
+        save_every=2,
+        param_dtype="float32",
+        log_every=1,
+        max_bad_steps=3,
+        output_dir=str(tmp_path / "out"),
+    )
     start = time.time()
     proc = subprocess.run(
         [
@@ -226,7 +208,7 @@ def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
             "--standalone",
             "--nproc_per_node=2",
             "tests/fault_launch.py",
-            str(tmp_path / "job.yaml"),
+            str(config),
             fault,
         ],
         cwd=ROOT,
