@@ -29,6 +29,16 @@ def write_tiny_job(path: Path, tiny_model_dir, **settings) -> Path:
     return path
 
 
+def fake_cuda_home(tmp_path: Path) -> Path:
+    """An nvcc that only answers --version: CI has no CUDA toolkit, and the dry run compiles nothing."""
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    return home
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from make_tiny_model import write_tiny_model

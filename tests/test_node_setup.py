@@ -1,0 +1,95 @@
+"""scripts/setup_node.sh, run for real up to the CUDA compile (NODE_SETUP_DRY_RUN=1): the build-tool check, the
+pinned installs resolved by pip against the package index, the causal-conv1d sdist download and the patch that
+restricts its build to one GPU architecture. Only the compile and the final installs are left out; the whole
+script ran end to end on an H200 (docs/BENCHMARKS.md, "Node setup")."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, fake_cuda_home
+from packaging.version import Version
+
+SETUP = ROOT / "scripts" / "setup_node.sh"
+VENV_BIN = Path(sys.executable).parent
+
+
+def dry_run(tmp_path: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        "NODE_SETUP_DRY_RUN": "1",
+        "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
+        "TMPDIR": str(tmp_path),
+        **env,
+    }
+    return subprocess.run(
+        [shutil.which("bash"), str(SETUP), *args], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+
+
+def nvcc_flags(setup_py: Path) -> list[str]:
+    """The -gencode flags causal-conv1d's setup.py hands nvcc, evaluated from its own code (CUDA 13, no ROCm):
+    the lines from `cc_flag = []` to the point where they are used, where the patch goes."""
+    text = setup_py.read_text()
+    start, end = text.index("    cc_flag = []"), text.index("    # HACK: The compiler flag")
+    scope = {
+        "HIP_BUILD": False,
+        "CUDA_HOME": None,  # skips its nvcc -V; the version is given
+        "bare_metal_version": Version("13.0"),
+        "Version": Version,
+        "check_if_cuda_home_none": lambda name: None,
+        "PACKAGE_NAME": "causal_conv1d",
+    }
+    exec(textwrap.dedent(text[start:end]), scope)
+    return scope["cc_flag"]
+
+
+@pytest.mark.parametrize("arch", ["90", "100", "103"])
+def test_dry_run_resolves_the_installs_and_patches_causal_conv1d_for_this_gpu_only(arch, tmp_path):
+    proc = dry_run(tmp_path, GPU_ARCH=arch, CUDA_HOME=str(fake_cuda_home(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    would_install = re.search(r"^Would install (.*)$", proc.stdout, re.M)
+    assert would_install and "flash-linear-attention-0.6.0" in would_install[1], proc.stdout[-3000:]
+    # tilelang only where fla's Triton backward is refused: Hopper (this venv has no Triton >= 3.7.1)
+    assert ("tilelang-0.1.15" in would_install[1]) == (arch == "90")
+    src = re.search(rf"^dry run: would compile (\S+) for sm_{arch} and install it", proc.stdout, re.M)
+    assert src, proc.stdout[-2000:]
+    upstream = nvcc_flags(Path(src[1]) / "setup.py.orig")
+    assert f"arch=compute_{arch},code=sm_{arch}" in upstream and len(upstream) > 2  # it builds for many
+    assert nvcc_flags(Path(src[1]) / "setup.py") == ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+
+
+def test_a_cached_build_is_installed_without_build_tools(tmp_path):
+    first = dry_run(tmp_path, GPU_ARCH="90", CUDA_HOME=str(fake_cuda_home(tmp_path)))
+    cache = Path(re.search(r"into (\S+) \(once per", first.stdout)[1])
+    cache.mkdir(parents=True)
+    (cache / "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+    again = dry_run(tmp_path, GPU_ARCH="90", CUDA_HOME=str(tmp_path / "no-cuda"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "would install the cached" in again.stdout and "building causal-conv1d" not in again.stdout
+
+
+def test_missing_nvcc_is_named_before_anything_is_installed(tmp_path):
+    tools = tmp_path / "bin"  # a PATH with what the script needs up to its check, and no nvcc
+    tools.mkdir()
+    for name in ("dirname", "grep", "ls", "sed", "cat"):
+        (tools / name).symlink_to(shutil.which(name))
+    (tools / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a link would lose the venv
+    (tools / "python").chmod(0o755)
+    proc = dry_run(tmp_path, GPU_ARCH="90", CUDA_HOME=str(tmp_path / "no-cuda"), PATH=str(tools))
+    assert proc.returncode == 1
+    assert "building causal-conv1d needs:" in proc.stderr and "nvcc (the CUDA compiler" in proc.stderr
+    assert "Would install" not in proc.stdout and "Looking in" not in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_no_gpu_and_no_gpu_arch_stops_with_what_to_set(tmp_path):
+    proc = dry_run(tmp_path)
+    assert proc.returncode != 0 and "set GPU_ARCH" in proc.stderr, proc.stderr[-2000:]
