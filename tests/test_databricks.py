@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLE, write_tiny_job
+from conftest import ROOT, SAMPLE, fake_cuda_home, write_tiny_job
 
 import train
 
@@ -47,7 +48,7 @@ def test_workload_follows_the_ai_runtime_rules(path):
     assert {"experiment_name", "compute", "command"} <= set(w) and set(w) <= TOP_LEVEL, set(w) - TOP_LEVEL
     gpus_per_node = ACCELERATORS[w["compute"]["accelerator_type"]]
     assert w["compute"]["num_accelerators"] % gpus_per_node == 0
-    assert w["code_source"] == {"root_path": "."}  # the flat form of `databricks air run`
+    assert w["code_source"]["type"] == "snapshot" and set(w["code_source"]) == {"type", "snapshot"}
     assert w["environment"]["version"] == "databricks_ai_v6"
     assert all(isinstance(v, str) for v in w.get("env_variables", {}).values())
     for name, ref in w.get("secrets", {}).items():
@@ -57,6 +58,37 @@ def test_workload_follows_the_ai_runtime_rules(path):
     assert w["parameters"]["output_dir"].startswith("/Volumes/")
     assert w["max_retries"] >= 1  # a retry resumes from the last checkpoint
     assert "torchrun" in w["command"] and '"${NUM_NODES:-1}"' in w["command"]
+
+
+def upload_folder(path: Path) -> Path:
+    """The folder the platform uploads: code_source.snapshot.root_path, a relative one resolved against the YAML
+    file's folder (as both `databricks air run` and the databricks-air package resolve it)."""
+    root = Path(yaml.safe_load(path.read_text())["code_source"]["snapshot"]["root_path"])
+    return (root if root.is_absolute() else path.parent / root).resolve()
+
+
+def uploaded_files(folder: Path) -> list[str]:
+    """What its snapshot holds: the folder's files less those .gitignore names."""
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    return subprocess.run(listed, cwd=folder, capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_workload_uploads_the_recipe(path):
+    assert {"train.py", "requirements.txt", "scripts/setup_node.sh"} <= set(uploaded_files(upload_folder(path)))
+
+
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_workload_passes_the_platform_validator(path, tmp_path, monkeypatch):
+    """databricks-air's own loader (what its `air run` checks before submitting): the schema, the files, the
+    upload folder. No workspace is configured, so its accelerator availability query is skipped."""
+    from cli.run_config import _load_and_validate_yaml
+
+    for key in ("DATABRICKS_HOST", "DATABRICKS_TOKEN", "DATABRICKS_CONFIG_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DATABRICKS_CONFIG_FILE", str(tmp_path / "no-databrickscfg"))
+    config, _ = _load_and_validate_yaml(path)
+    assert Path(config.code_source.snapshot.repo_path).resolve() == upload_folder(path) == ROOT
 
 
 def test_multi_node_example_takes_the_token_from_a_secret():
@@ -85,17 +117,26 @@ def tiny_override(tmp_path, tiny_model_dir, **extra):
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
 def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_path):
-    """The command as the platform runs it (once per node, under bash, with its env_variables and the
-    parameters file), installs switched off and the job overridden to a tiny 2-rank CPU run."""
+    """The command as the platform runs it: once per node, under bash, in a copy of what it uploads at
+    CODE_SOURCE_PATH, with its env_variables and the parameters file. The node setup runs as a dry run (for an
+    H100/H200: no compile, no install; tests/test_node_setup.py) and the job is overridden to a tiny 2-rank CPU
+    run."""
     w = yaml.safe_load(path.read_text())
+    code = tmp_path / "code_source" / upload_folder(path).name
+    for name in uploaded_files(upload_folder(path)):
+        (code / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(upload_folder(path) / name, code / name)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(w["parameters"]))
     env = {
         **os.environ,
         **w["env_variables"],
         "HF_HOME": str(tmp_path / "hf"),
-        "CODE_SOURCE_PATH": str(ROOT),
+        "CODE_SOURCE_PATH": str(code),
         "HYPERPARAMETERS_PATH": str(tmp_path / "params.yaml"),
-        "SKIP_NODE_SETUP": "1",
+        "NODE_SETUP_DRY_RUN": "1",
+        "GPU_ARCH": "90",
+        "CUDA_HOME": str(fake_cuda_home(tmp_path)),
+        "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
         "NUM_NODES": "1",
         "NODE_RANK": "0",
         "LOCAL_WORLD_SIZE": "2",
@@ -109,6 +150,7 @@ def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_pat
         ["bash", "-c", w["command"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
     resolved = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
     for key in set(w["parameters"]) - set(yaml.safe_load((tmp_path / "tiny.yaml").read_text())):
