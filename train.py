@@ -615,8 +615,29 @@ def require_kernels(config) -> None:
         raise RuntimeError(
             f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
             "pip install flash-linear-attention, and build causal-conv1d against your torch "
-            "(see workload.yaml)"
+            "(bash scripts/setup_node.sh does both)"
         )
+    if fla_refuses_hopper_backward():
+        import triton
+
+        raise RuntimeError(
+            f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
+            f"{triton.__version__} (Triton >= 3.4, < 3.7.1 computes its gradients wrongly there, fla issue #640), "
+            "and has no TileLang backend to use instead: install tilelang (pip install tilelang==0.1.15; "
+            "bash scripts/setup_node.sh does) and make nvcc findable (CUDA_HOME or PATH), or use torch >= 2.12.1, "
+            "which ships Triton 3.7.1"
+        )
+
+
+def fla_refuses_hopper_backward() -> bool:
+    """fla's own guard condition (it raises at the first backward, after the counting pass and the weight load):
+    a Hopper GPU, Triton >= 3.4 and < 3.7.1, and no usable TileLang backend (tilelang installed, an nvcc found,
+    FLA_TILELANG not 0), to which fla then sends the affected kernel."""
+    import fla.ops.common.chunk_o as guard
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
+    return guarded and not CommonTileLangBackend.can_use()
 
 
 def pretrained_dir(cfg: Config) -> Path:
@@ -912,9 +933,10 @@ class MetricsLog:
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
+        """status: FINISHED, or FAILED when the run ends with an error (a job's run must not read as a success)."""
         if self.mlflow:
-            self.mlflow.end_run()
+            self.mlflow.end_run(status=status)
 
     def step_line(self, r: dict) -> None:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
@@ -1471,6 +1493,7 @@ def _train(cfg: Config, d: Dist) -> dict:
         f"transformers {transformers.__version__}",
     )
     log = MetricsLog(cfg, d)
+    status = "FAILED"
     try:
         if stats:
             log.write({"step": 0, "packing": stats})
@@ -1485,8 +1508,9 @@ def _train(cfg: Config, d: Dist) -> dict:
         print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
         log.write({"step": result["steps"], "data_seen": summary})
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d)
+        status = "FINISHED"
     finally:
-        log.close()
+        log.close(status)
     return {**result, "output_dir": str(out), "model_dir": str(export)}
 
 

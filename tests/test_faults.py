@@ -188,7 +188,7 @@ def test_remote_code_is_not_run_unless_asked(tiny_model_dir, tmp_path):
         train.model_config(custom)
 
 
-def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
+def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180, env=None):
     config = write_tiny_job(
         tmp_path / "job.yaml",
         tiny_model_dir,
@@ -215,7 +215,7 @@ def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     return proc.returncode, proc.stdout + proc.stderr, time.time() - start
 
@@ -231,12 +231,20 @@ def test_one_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(tiny_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(tiny_model_dir, tmp_path):
-    rc, output, _ = faulty_run(tmp_path, tiny_model_dir, "nan-always")
+def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """Also: the MLflow run of a run that stops on an error ends FAILED, not FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"file://{tmp_path}/mlruns"
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    rc, output, _ = faulty_run(tmp_path, tiny_model_dir, "nan-always", env=env)
     assert rc != 0
     assert "3 steps in a row with a non-finite loss or gradient norm at step 5: stopping" in output
     assert "The last checkpoint is " + str(tmp_path / "out/checkpoints/step_00000004") in output
     assert (tmp_path / "out/checkpoints/step_00000004/complete.json").exists()
+    runs = MlflowClient(uri).search_runs(["0"])
+    assert [r.info.status for r in runs] == ["FAILED"] and "loss" in runs[0].data.metrics
 
 
 def test_an_exception_on_one_rank_ends_every_rank_without_hanging(tiny_model_dir, tmp_path):
