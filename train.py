@@ -6,30 +6,34 @@ gated full-attention layer every fourth layer) on UltraChat 200k `train_sft`, on
 blocks, loss on assistant tokens only, one 8xB300 node.
 
 The file runs these phases, in this order:
-  1. configuration  one dataclass; overrides from $HYPERPARAMETERS_PATH, then --config FILE.yaml, then --key value
+  1. configuration  one dataclass (default, doc, check, resume policy per field); overrides from
+                    $HYPERPARAMETERS_PATH, then --config FILE.yaml, then --key value (or train(dict))
   2. distributed    rank / local rank / world size from the environment (torchrun or a notebook decorator)
   3. data           read this rank's shard -> render the chat template -> mask all but assistant turns ->
-                    pack whole conversations into blocks (best-fit decreasing) -> block-diagonal signals
+                    pack whole conversations into blocks (best-fit decreasing) -> block-diagonal signals;
+                    the counting pass that fixes the step count
   4. model          build on the meta device, use_cache=False, activation checkpointing, fully_shard each
                     decoder layer then the root, each rank reads its own slices of the safetensors checkpoint
-  5. training       global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay;
-                    non-finite steps skipped on every rank together
+  5. training       a step: global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay,
+                    non-finite steps skipped on every rank together; the loop logs, evaluates and saves
   6. checkpoints    sharded DCP checkpoints with each rank's data position; automatic resume; the final
                     consolidated Hugging Face export to output_dir/model
-  7. entry points   fail-fast checks, train(config) for notebooks and torchrun, --inspect, main()
+  7. entry points   train(config) for notebooks and torchrun, --inspect, main()
 
 Launch:
   GPU node:   torchrun --nproc_per_node=8 train.py                       (the default job)
-  multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \
+  multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
                        --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py --config job.yaml
   CPU smoke:  torchrun --nproc_per_node=2 train.py --config examples/cpu_smoke.yaml
   look at the data only (tokenizer needed, no model weights): python train.py --inspect 2
+  every setting: python train.py --help
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
 import dataclasses
+import difflib
 import itertools
 import json
 import math
@@ -41,6 +45,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,138 +60,169 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 # 1. Configuration
 # ------------------------------------------------------------------------------------------------------------
 
+ATTENTION_BACKENDS = ("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager")
 
-@dataclass
+
+def setting(default, doc: str, check: tuple | None = None, resumable: bool = False):
+    """A Config field: its default, the doc --help prints, an optional check (a predicate, what it requires), and
+    whether a resumed run may change it (else the checkpoint's data positions, schedule and optimizer need it)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "resumable": resumable})
+
+
+def one_of(*choices) -> tuple:
+    return (lambda v: v in choices, f"one of {', '.join(choices)}")
+
+
+AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+FRACTION, BETA = (lambda v: 0 <= v <= 1, "in [0, 1]"), (lambda v: 0 <= v < 1, "in [0, 1)")
+DTYPES = one_of("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
 class Config:
+    """Every setting of a run, with the default job's values. Checked on construction, however it is built."""
+
     # Model. Revisions are pinned so runs stay comparable as hub repos move ("" = latest).
-    model_name: str = "Qwen/Qwen3.8-27B"  # hub name or local directory
-    model_revision: str = "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0"
-    tokenizer_name: str = ""  # "" = model_name
-    trust_remote_code: bool = False  # run Python code that a hub repo ships; only for repos you trust
-    attn_implementation: str = "auto"  # auto | flash_attention_2 | torch_varlen | sdpa | eager
-    master_dtype: str = "float32"  # weights and optimizer state; bfloat16 = the seed's all-bf16 mode (half the memory)
-    param_dtype: str = "bfloat16"  # compute dtype of FSDP's all-gathered parameters
-    activation_checkpointing: float = 1.0  # fraction of decoder layers recomputed in backward (1 = all, 0 = none)
-    compile: bool = True  # torch.compile the decoder layers' norms and MLPs (compile_elementwise); CPU runs turn it off
+    model_name: str = setting("Qwen/Qwen3.8-27B", "hub name or local directory")
+    model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision", resumable=True)
+    tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
+    trust_remote_code: bool = setting(False, "run Python code a hub repo ships (repos you trust)", resumable=True)
+    init: str = setting("pretrained", "pretrained weights, or random (benchmarks)", one_of("pretrained", "random"))
+    attn_implementation: str = setting(
+        "auto", " | ".join(ATTENTION_BACKENDS), one_of(*ATTENTION_BACKENDS), resumable=True
+    )
+    master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)", DTYPES)
+    param_dtype: str = setting("bfloat16", "compute dtype of FSDP's all-gathered parameters", DTYPES, resumable=True)
+    activation_checkpointing: float = setting(
+        1.0, "fraction of decoder layers recomputed in backward", FRACTION, resumable=True
+    )
+    compile: bool = setting(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)", resumable=True)
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
-    dataset_name: str = "HuggingFaceH4/ultrachat_200k"
-    dataset_revision: str = "8049631c405ae6576f93f445c6b8166f76f5505a"
-    dataset_split: str = "train_sft"
-    messages_column: str = "messages"
-    eval_split: str = ""  # held-out data: a split of dataset_name (e.g. test_sft) or a local file; "" = no eval
-    eval_blocks: int = 8  # eval blocks per rank
-    max_seq_len: int = 32768  # tokens per packed block
-    pack_buffer_blocks: int = 64  # best-fit-decreasing packs this many blocks' worth of conversations at a time
-    num_workers: int = 1  # DataLoader worker processes per rank (0 = pack in the training process)
-    max_skip_fraction: float = 0.2  # stop when more of the records than this cannot be trained on
+    dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
+    dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
+    dataset_split: str = setting("train_sft", "split of dataset_name to train on")
+    messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
+    eval_split: str = setting(
+        "", "held-out data: a split of dataset_name or a local file; empty: no eval", None, resumable=True
+    )
+    eval_blocks: int = setting(8, "eval blocks per rank", AT_LEAST_1, resumable=True)
+    max_seq_len: int = setting(32768, "tokens per packed block", (lambda v: v >= 16, ">= 16"))
+    pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time", AT_LEAST_1)
+    num_workers: int = setting(1, "DataLoader worker processes per rank (0: pack in the training process)", AT_LEAST_0)
+    max_skip_fraction: float = setting(
+        0.2, "stop when more of the records than this are skipped", FRACTION, resumable=True
+    )
     # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
-    learning_rate: float = 1e-5
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm
-    gradient_accumulation_steps: int = 1
-    epochs: int = 1
-    max_steps: int = 0  # > 0: stop after this many optimizer steps (and skip the counting pass)
-    warmup_steps: int = 10
-    lr_schedule: str = "cosine"  # cosine | linear | constant, after warmup
-    min_lr_ratio: float = 0.1  # the decay ends at learning_rate * min_lr_ratio
-    loss_chunk_tokens: int = 4096  # cross-entropy is computed this many loss tokens at a time
+    learning_rate: float = setting(1e-5, "peak learning rate", (lambda v: 0 < v < math.inf, "> 0 and finite"))
+    adam_beta1: float = setting(0.9, "AdamW beta1", BETA)
+    adam_beta2: float = setting(0.95, "AdamW beta2", BETA)
+    weight_decay: float = setting(0.0, "AdamW weight decay", AT_LEAST_0)
+    max_grad_norm: float = setting(1.0, "gradient clipping norm", (lambda v: v > 0, "> 0"), resumable=True)
+    max_bad_steps: int = setting(
+        5, "stop after this many steps in a row with a non-finite loss", AT_LEAST_1, resumable=True
+    )
+    gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step", AT_LEAST_1)
+    epochs: int = setting(1, "passes over the data", AT_LEAST_1)
+    max_steps: int = setting(0, "> 0: stop after this many steps, no counting pass", AT_LEAST_0, resumable=True)
+    warmup_steps: int = setting(10, "linear warmup steps", AT_LEAST_0)
+    lr_schedule: str = setting("cosine", "decay after warmup", one_of("cosine", "linear", "constant"))
+    min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio", FRACTION)
+    loss_chunk_tokens: int = setting(4096, "loss tokens per LM-head chunk", AT_LEAST_1, resumable=True)
     # Output: checkpoints/step_N (sharded, resumable), model/ (the consolidated Hugging Face export), metrics.jsonl
-    output_dir: str = "outputs/sft"
-    save_every: int = 100  # optimizer steps between checkpoints (0 = only at the end); the run resumes from the last
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    eval_every: int = 0  # 0 = evaluate only at the end (when eval_split is set)
-    seed: int = 0
+    output_dir: str = setting(
+        "outputs/sft", "checkpoints, model/, metrics.jsonl; a run resumes from it", None, resumable=True
+    )
+    save_every: int = setting(
+        100, "steps between checkpoints; 0: at the end; -1: never", (lambda v: v >= -1, ">= -1"), True
+    )
+    keep_checkpoints: int = setting(2, "complete checkpoints kept", AT_LEAST_1, resumable=True)
+    export: bool = setting(True, "write output_dir/model, the Hugging Face checkpoint, at the end", resumable=True)
+    log_every: int = setting(10, "steps per log line (also logged at every checkpoint)", AT_LEAST_1, resumable=True)
+    eval_every: int = setting(
+        0, "steps between evals; 0: only at the end (with eval_split)", AT_LEAST_0, resumable=True
+    )
+    seed: int = setting(0, "data order and initialisation")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = typed(f, getattr(self, f.name), "Config")
+            object.__setattr__(self, f.name, value)  # frozen: the only writes are here
+            if f.metadata["check"] and not f.metadata["check"][0](value):
+                raise ValueError(f"bad configuration: {f.name} must be {f.metadata['check'][1]}, got {value!r}")
 
 
-def _field_types() -> dict[str, type]:
-    return {f.name: type(f.default) for f in dataclasses.fields(Config)}
-
-
-def _checked(key: str, value, source: str):
-    """Returns value as the field's type, or raises naming the key and where it came from."""
-    types = _field_types()
-    if key not in types:
-        raise ValueError(f"unknown configuration key {key!r} (from {source}); valid keys: {', '.join(types)}")
-    want = types[key]
+def typed(field: dataclasses.Field, value, source: str):
+    """value as the field's type (an int for a float field: YAML reads 1 as an int and 1e-5 as a string), or an
+    error naming the key and where the value came from."""
+    want = type(field.default)
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:  # YAML reads 1 as an int and 1e-5 (no dot) as a string; a float field takes both
+        try:
             value = float(value)
         except ValueError:
             pass
     if type(value) is not want:
-        raise ValueError(f"configuration key {key!r} (from {source}) must be {want.__name__}, got {value!r}")
+        raise ValueError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
     return value
 
 
-def _yaml_overrides(path: str, source: str) -> dict:
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+def load_config(*sources: tuple[str, dict]) -> Config:
+    """Config from its defaults and each (source, {key: value}) in turn, later wins. An unknown key or a wrong
+    type fails naming the key and its source; Config then checks the values."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for source, overrides in sources:
+        for key, value in overrides.items():
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(fields)}"
+                raise ValueError(f"unknown configuration key {key!r} (from {source}); {hint}")
+            values[key] = typed(fields[key], value, source)
+    return Config(**values)
+
+
+def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{source} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
-    return {k: _checked(k, v, f"{source} {path}") for k, v in data.items()}
+        raise ValueError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
+    return f"{name} {path}", data
 
 
-def parse_args(argv: list[str]) -> tuple[Config, dict]:
-    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value (later wins).
-
-    Returns (config, modes); modes holds the flags that are not configuration: inspect, inspect_out.
-    Values given as flags are parsed as YAML scalars, so `--learning_rate 2e-5` is a float.
-    """
-    overrides, modes, config_file = {}, {"inspect": 0, "inspect_out": ""}, None
-    if os.environ.get("HYPERPARAMETERS_PATH"):
-        overrides.update(_yaml_overrides(os.environ["HYPERPARAMETERS_PATH"], "HYPERPARAMETERS_PATH"))
-    flags, i = {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; flags are --key value")
-        key, _, value = arg[2:].partition("=")
-        if not _:
-            if i + 1 >= len(argv):
-                raise ValueError(f"flag --{key} needs a value")
-            value, i = argv[i + 1], i + 1
-        i += 1
-        key = key.replace("-", "_")
-        if key == "config":
-            config_file = value
-        elif key == "inspect":
-            modes["inspect"] = int(value)
-        elif key == "inspect_out":
-            modes["inspect_out"] = value
-        else:
-            flags[key] = _checked(key, yaml.safe_load(value) if value != "" else "", "command line")
-    if config_file:
-        overrides.update(_yaml_overrides(config_file, "--config"))
-    overrides.update(flags)
-    return dataclasses.replace(Config(), **overrides), modes
+def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
+    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value, and the flags that are
+    not settings (--inspect, --inspect-out). The settings' flags, types and help come from Config's fields."""
+    usage = "train.py [--config FILE] [--KEY VALUE ...] [--inspect N [--inspect-out FILE]]"
+    parser = argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (after $HYPERPARAMETERS_PATH's)")
+    parser.add_argument("--inspect", type=int, default=0, metavar="N", help="print N packed blocks and exit")
+    parser.add_argument("--inspect-out", "--inspect_out", default="", metavar="FILE", help="--inspect's, as JSON")
+    group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
+    for f in dataclasses.fields(Config):
+        resume = "; may change on resume" if f.metadata["resumable"] else ""
+        doc = f"{f.metadata['doc']} (default: {f.default!r}{resume})".replace("%", "%%")
+        parse = str if isinstance(f.default, str) else yaml.safe_load
+        kind = type(f.default).__name__.upper()
+        group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if unknown[0].startswith("--"):  # an unknown key: load_config raises, naming the nearest valid one
+            load_config(("command line", {unknown[0][2:].partition("=")[0]: None}))
+        raise ValueError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
+    params = os.environ.get("HYPERPARAMETERS_PATH")  # a Databricks workload's parameters: block
+    sources = [yaml_source(params, "HYPERPARAMETERS_PATH")] if params else []
+    sources += [yaml_source(args.config, "--config")] if args.config else []
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)}
+    return load_config(*sources, ("command line", flags)), args
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Settings that cannot work fail here, before anything is loaded."""
-    checks = [
-        (cfg.max_seq_len >= 16, "max_seq_len must be at least 16"),
-        (cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
-        (cfg.epochs >= 1, "epochs must be >= 1"),
-        (cfg.lr_schedule in ("cosine", "linear", "constant"), "lr_schedule must be cosine, linear or constant"),
-        (cfg.param_dtype in ("bfloat16", "float32"), "param_dtype must be bfloat16 or float32"),
-        (cfg.master_dtype in ("bfloat16", "float32"), "master_dtype must be bfloat16 or float32"),
-        (cfg.save_every >= 0 and cfg.keep_checkpoints >= 1, "save_every >= 0 and keep_checkpoints >= 1"),
-        (0 <= cfg.max_skip_fraction <= 1 and cfg.max_bad_steps >= 1, "max_skip_fraction in [0, 1], max_bad_steps >= 1"),
-        (cfg.attn_implementation in ATTENTION_BACKENDS, f"attn_implementation must be one of {ATTENTION_BACKENDS}"),
-        (cfg.loss_chunk_tokens >= 1 and cfg.pack_buffer_blocks >= 1, "loss_chunk_tokens, pack_buffer_blocks >= 1"),
-        (cfg.log_every >= 1 and cfg.warmup_steps >= 0 and cfg.num_workers >= 0, "log_every >= 1, others >= 0"),
-        (cfg.eval_blocks >= 1 and cfg.max_grad_norm > 0, "eval_blocks >= 1 and max_grad_norm > 0"),
-        (0 <= cfg.activation_checkpointing <= 1, "activation_checkpointing is a fraction of the layers, in [0, 1]"),
-        (cfg.max_steps >= 0 and cfg.eval_every >= 0, "max_steps >= 0 and eval_every >= 0"),
-        (world_size >= 1, "WORLD_SIZE must be >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"bad configuration: {message}")
+def fixed_on_resume(saved: dict, cfg: Config) -> dict:
+    """The settings a checkpoint was written with that this configuration changes but may not: {key: (old, new)}.
+    A field the checkpoint's train.py did not have yet counts as its default."""
+    old = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cfg)}
+    return {
+        f.name: (old[f.name], getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+        if not f.metadata["resumable"] and old[f.name] != getattr(cfg, f.name)
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -231,7 +267,7 @@ def print0(rank: int, *args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. Data: read this rank's shard, mask assistant turns, pack whole conversations into blocks
+# 3. Data: read this rank's shard, mask assistant turns, pack whole conversations into blocks, count them
 # ------------------------------------------------------------------------------------------------------------
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -453,64 +489,72 @@ def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad
     }
 
 
+@dataclass
+class StreamPosition:
+    """Where a block sits in its data stream: its buffer's start, and the stream's counts (conversations, skips
+    by reason, truncations) when the buffer started and once it was read; built once per buffer, each block gets
+    a copy with its number. A resumed stream restarts at `record`, re-packs the buffer, passes over the blocks
+    already taken and restores its counts from counts_at_start."""
+
+    slot: int  # the DataLoader worker slot that reads this stream
+    epoch: int
+    record: int  # index of the buffer's first record in the stream
+    buffer: int  # buffers before this one in the epoch: it seeds the order of the buffer's blocks
+    counts_at_start: dict
+    counts_at_end: dict
+    taken: int = 0  # blocks taken from the buffer, this one included
+
+
 class PackedBlocks(IterableDataset):
     """This rank's packed blocks, `epochs` passes over its shard, for a DataLoader with batch_size=None.
 
     Shards are disjoint per (rank, DataLoader worker): worker slot s of rank r reads shard r * workers + s.
     Each worker fills a buffer with pack_buffer_blocks blocks' worth of conversations, packs it by best-fit
     decreasing, and yields its blocks in a seeded random order (the packer emits the longest conversations
-    first). Nothing carries over between buffers, so a block's position in its stream is (epoch, index of the
-    buffer's first record, buffer number, blocks taken from the buffer), plus the stream's counts (conversations,
-    skips by reason, truncations) at the buffer's start. Each block carries it.
+    first). Nothing carries over between buffers, so a block's place in its stream is its buffer's
+    StreamPosition and its number in the buffer.
 
-    resume: {"streams": {slot: position of the last block consumed}, "next": slot of the next block}. A
-    stream restarts at its buffer, re-packs it and passes over the blocks already taken. The DataLoader takes
-    blocks from its workers in turn, starting with worker 0, so worker w reads slot (w + next) % workers:
-    the turn order continues where it stopped.
+    resume: a Progress, whose streams hold the position of each stream's last consumed block and next_slot
+    the slot of the next block. The DataLoader takes blocks from its workers in turn,
+    starting with worker 0, so worker w reads slot (w + next_slot) % workers: the turn order goes on.
     """
 
     def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
         self.cfg, self.tok, self.split = cfg, tokenizer, split
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
-        self.resume = copy.deepcopy(resume) or {"streams": {}, "next": 0}  # progress.data moves on
+        self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)
 
     def __iter__(self):
         cfg, worker = self.cfg, get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        slot = (worker_id + self.resume["next"]) % num_workers
+        slot = (worker_id + self.next_slot) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
         source, split = data_source(cfg, self.split)
         masker = AssistantMasker(self.tok)
         pad_id = pad_token_id(self.tok)
-        at = self.resume["streams"].get(slot, {"epoch": 0, "record": 0, "buffer": 0, "block": 0, "counts": {}})
-        counts = Counter(at["counts"])
-        for epoch in range(at["epoch"], self.epochs):
-            first, n_buffer, taken = (at["record"], at["buffer"], at["block"]) if epoch == at["epoch"] else (0, 0, 0)
+        at = self.streams.get(slot, StreamPosition(slot, 0, 0, 0, {}, {}))
+        counts = Counter(at.counts_at_start)
+        for epoch in range(at.epoch, self.epochs):
+            first, n_buffer, skip = (at.record, at.buffer, at.taken) if epoch == at.epoch else (0, 0, 0)
             records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, counts)
             buffer, buffered, start_counts = [], 0, dict(counts)
             for index, ids, mask in tokenize_stream(records, masker, cfg, counts):
                 buffer.append((ids, mask))
                 buffered += len(ids)
                 if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
-                    where = {"slot": slot, "epoch": epoch, "record": first, "buffer": n_buffer, "counts": start_counts}
-                    yield from self._pack(buffer, pad_id, counts, shard, where, taken)
-                    buffer, buffered, first, n_buffer, taken = [], 0, index + 1, n_buffer + 1, 0
+                    where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
+                    yield from self._pack(buffer, pad_id, shard, where, skip)
+                    buffer, buffered, first, n_buffer, skip = [], 0, index + 1, n_buffer + 1, 0
                     start_counts = dict(counts)
-            where = {"slot": slot, "epoch": epoch, "record": first, "buffer": n_buffer, "counts": start_counts}
-            yield from self._pack(buffer, pad_id, counts, shard, where, taken)
+            where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
+            yield from self._pack(buffer, pad_id, shard, where, skip)
 
-    def _pack(self, buffer, pad_id, counts, shard, where, taken):
+    def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int):
         bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
-        random.Random(str((self.cfg.seed, shard, where["epoch"], where["buffer"]))).shuffle(bins)
-        for n, members in enumerate(bins[taken:], taken + 1):
+        random.Random(str((self.cfg.seed, shard, where.epoch, where.buffer))).shuffle(bins)
+        for n, members in enumerate(bins[skip:], skip + 1):
             block = make_block([buffer[i] for i in members], self.cfg.max_seq_len, pad_id)
-            block["counts"], block["position"] = dict(counts), {**where, "block": n}
-            yield block
-
-
-def pad_token_id(tokenizer) -> int:
-    """Padding never carries loss, so any id will do; Llama's tokenizer has no pad token: use end-of-sequence."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            yield {**block, "position": dataclasses.replace(where, taken=n)}
 
 
 def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
@@ -521,6 +565,62 @@ def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int,
     return DataLoader(
         blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(), **extra
     )
+
+
+def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
+    """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
+    the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
+    per-rank block count and the packing statistics summed over ranks."""
+    blocks, tokens, loss_tokens, counts = 0, 0, 0, {}
+    for block in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
+        blocks += 1
+        tokens += block["tokens"]
+        loss_tokens += block["loss_tokens"]
+        counts[block["position"].slot] = block["position"].counts_at_end
+    totals = [None] * d.world_size
+    dist.all_gather_object(totals, (blocks, tokens, loss_tokens, sum(map(Counter, counts.values()), Counter())))
+    blocks_per_rank = [t[0] for t in totals]
+    counts = sum((Counter(t[3]) for t in totals), Counter())
+    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
+    skipped = skip_reasons(counts)
+    stats = {
+        "blocks": sum(blocks_per_rank),
+        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
+        "conversations": counts["conversations"],
+        "non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4),
+        "loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4),
+        "truncated": counts["truncated"],
+        "skipped": sum(skipped.values()),
+        "skipped_by_reason": skipped,
+    }
+    return max(blocks_per_rank), stats
+
+
+def step_count(cfg: Config, tokenizer, d: Dist, meta: dict | None) -> tuple[int, dict | None]:
+    """max_steps if set (also when resuming: a larger one extends the run); else the count a resumed run started
+    with; else the counting pass's, with its packing statistics."""
+    if cfg.max_steps or meta:
+        return cfg.max_steps or meta["total_steps"], None
+    t0 = time.perf_counter()
+    max_blocks, stats = count_blocks(cfg, tokenizer, d)
+    print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
+    if max_blocks == 0:
+        raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
+    check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
+    return math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps), stats
+
+
+def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
+    if records and skipped / records > cfg.max_skip_fraction:
+        raise ValueError(
+            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
+            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
+        )
+
+
+def pad_token_id(tokenizer) -> int:
+    """Padding never carries loss, so any id will do; Llama's tokenizer has no pad token: use end-of-sequence."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def from_hub(load, name: str):
@@ -543,20 +643,14 @@ def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer_name or cfg.model_name
-    revision = cfg.model_revision if not cfg.tokenizer_name and not Path(name).exists() else None
-    return from_hub(
-        lambda: AutoTokenizer.from_pretrained(name, revision=revision or None, trust_remote_code=cfg.trust_remote_code),
-        name,
-    )
+    revision = (cfg.model_revision or None) if not cfg.tokenizer_name and not Path(name).exists() else None
+    remote_code = cfg.trust_remote_code
+    return from_hub(lambda: AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=remote_code), name)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 4. Model: load, check kernels, activation checkpointing, FSDP2
+# 4. Model: check kernels, build, activation checkpointing, FSDP2, load
 # ------------------------------------------------------------------------------------------------------------
-
-ATTENTION_BACKENDS = ("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager")
-# Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
 
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -649,14 +743,11 @@ def pretrained_dir(cfg: Config) -> Path:
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
-        patterns = ["*.safetensors", "*.json", "*.jinja", "*.txt", "*.model"]
+        patterns = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
         revision = cfg.model_revision or None
-        path = Path(
-            from_hub(
-                lambda: snapshot_download(cfg.model_name, revision=revision, allow_patterns=patterns), cfg.model_name
-            )
-        )
-    if not any(path.glob("*.safetensors")):
+        download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
+        path = Path(from_hub(download, cfg.model_name))
+    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
         raise ValueError(
             f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
             "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
@@ -669,15 +760,19 @@ def model_config(name: str | Path, revision: str = "", trust_remote_code: bool =
     from transformers import AutoConfig
 
     revision = revision if not Path(name).exists() else ""
-    config = from_hub(
-        lambda: AutoConfig.from_pretrained(name, revision=revision or None, trust_remote_code=trust_remote_code),
-        str(name),
-    )
+    load = partial(AutoConfig.from_pretrained, name, revision=revision or None, trust_remote_code=trust_remote_code)
+    config = from_hub(load, str(name))
     # use_cache=False on the config and the text config: with a cache, transformers does not derive the
     # block-diagonal mask from position_ids and packed conversations attend to each other.
     config.use_cache = False
     config.get_text_config().use_cache = False
     return config
+
+
+def check_block_length(cfg: Config, config) -> None:
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_seq_len > limit:
+        raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
 
 
 def build_model(config, cfg: Config, attn: str, device: torch.device):
@@ -739,7 +834,7 @@ def compile_elementwise(layers) -> None:
     """torch.compile the decoder layers' RMSNorms and MLPs. In eager mode each is a chain of memory-bound
     elementwise kernels (the norms upcast to fp32 and write every intermediate; SiLU and the gate product are
     separate passes over the MLP's 17,408-wide rows in the 27B); compiled, each chain is one or two fused
-    kernels, and fewer intermediates are saved for backward (docs/BENCHMARKS.md: +10% and 6 GiB less at 32k).
+    kernels, and fewer intermediates are saved for backward (docs/BENCHMARKS.md measures both).
     The token mixers stay eager: fla's Triton kernels and causal-conv1d are opaque to the compiler. Shapes are
     static: one graph per input shape and grad mode (a norm sees up to three shapes: hidden states, query and
     key heads; x training and eval; x full and filler blocks), hence the raised recompile limit (8 by default;
@@ -771,6 +866,20 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
     if missing:
         raise ValueError(f"{len(missing)} model tensors are not in the checkpoint at {path}, e.g. {missing[:3]}")
     dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
+
+
+def init_random(model, seed: int) -> None:
+    """init: random. The model's own initialiser on this rank's shards, for benchmarks and tests: no weights to
+    read, and the step times are those of a real run. (On CPU, DTensor draws every rank's shard from the same
+    generator state, so the shards repeat: fine for timing and tests, not for training.)"""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    torch.manual_seed(seed)
+    # implicit_replication: initialisers that copy a plain tensor into a sharded parameter (qwen3_5's A_log) copy
+    # this rank's slice of it.
+    with torch.no_grad(), implicit_replication():
+        for module in model.modules():
+            model._init_weights(module)
 
 
 def packed_inputs(block: dict) -> dict:
@@ -809,6 +918,165 @@ def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     )
 
 
+# ------------------------------------------------------------------------------------------------------------
+# 5. Training: one step, the log line, the loop
+# ------------------------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
+    """Linear warmup to learning_rate over warmup_steps, then cosine or linear decay to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        fused=d.device.type == "cuda",
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def to_device(block: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The GPU's peak allocated memory; on CPU the process's peak resident size (ru_maxrss is in KiB on Linux)."""
+    cuda = device.type == "cuda"
+    return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else resource.getrusage(0).ru_maxrss / 2**20
+
+
+def filler_block(pad_id: int) -> dict:
+    """What a rank whose data has run out feeds the model while other ranks still train: FSDP's collectives
+    need every rank in every forward and backward. It has no loss tokens, so its loss and gradient are 0."""
+    return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
+
+
+def global_counts(blocks: list[dict], d: Dist) -> dict:
+    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
+    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
+    be known before the first backward."""
+    keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
+    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
+    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
+    max_blocks = local[:1].clone()
+    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
+    dist.all_reduce(local)
+    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
+
+
+def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
+    """Forward (and backward when scale is given) over n_micro blocks, fillers after this rank's last one.
+    The backward loss is sum(per-token CE) * scale; returns the detached sum of per-token losses."""
+    loss_sum = torch.zeros((), device=d.device)
+    for i in range(n_micro):
+        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
+        losses = model.token_losses(block, cfg.loss_chunk_tokens)
+        if scale is not None:
+            (losses.sum() * scale).backward()
+        loss_sum += losses.detach().sum()
+    return loss_sum
+
+
+@dataclass
+class Progress:
+    """This rank's resumable state, saved with every checkpoint: the step, and where each data stream is."""
+
+    step: int = 0
+    streams: dict = dataclasses.field(default_factory=dict)  # slot -> StreamPosition of its last block taken
+    next_slot: int = 0
+    blocks: int = 0  # blocks this rank has trained on
+    bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
+    bad_in_a_row: int = 0
+
+    def took(self, block: dict, num_workers: int) -> None:
+        self.streams[block["position"].slot] = block["position"]
+        self.next_slot = (block["position"].slot + 1) % max(1, num_workers)
+        self.blocks += 1
+
+    def data_seen(self) -> Counter:
+        """Conversations read, skipped (by reason) and truncated by this rank's streams, and blocks trained."""
+        return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter()) + Counter(blocks=self.blocks)
+
+    @classmethod
+    def from_state(cls, state: dict) -> Progress:  # the inverse of dataclasses.asdict, which a checkpoint stores
+        if "streams" not in state:
+            raise ValueError(
+                "the checkpoint was written by an older train.py (its data positions are a dict): "
+                "resume it with that version, or start afresh in another output_dir"
+            )
+        return cls(**{**state, "streams": {s: StreamPosition(**p) for s, p in state["streams"].items()}})
+
+
+@dataclass
+class Job:
+    """What a step, the loop and a checkpoint work on, built once by run()."""
+
+    cfg: Config
+    d: Dist
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    total_steps: int
+    progress: Progress
+    filler: dict  # the block of a rank whose data has run out
+
+
+def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
+    """One optimizer step over this rank's blocks, fillers once they run out. The loss is the global token
+    mean: every rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all
+    ranks) -- FSDP averages gradients over ranks, so the world_size cancels and each loss token weighs the same
+    wherever it sits. A NaN or inf anywhere reaches every rank's global gradient norm, so every rank skips the
+    same steps. Returns the step's global counts, with its loss sum and gradient norm when it stepped; with
+    max_blocks 0 (every rank's data has run out) or loss_tokens 0 (nothing to learn) it did not step."""
+    from torch.distributed.tensor import DTensor
+
+    cfg, d, progress, optimizer = job.cfg, job.d, job.progress, job.optimizer
+    counts = global_counts(blocks, d)
+    if counts["max_blocks"] == 0 or counts["loss_tokens"] == 0:
+        return counts
+    scale = d.world_size / counts["loss_tokens"]
+    loss_sum = run_blocks(job.model, blocks, counts["max_blocks"], job.filler, cfg, d, scale)
+    if step_hook:  # it may return a replacement loss sum (fault injection), or None
+        replaced = step_hook(progress.step + 1, job.model, loss_sum)
+        loss_sum = loss_sum if replaced is None else replaced
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
+    if finite:
+        optimizer.step()
+        progress.bad_in_a_row = 0
+    else:
+        progress.bad_steps += 1
+        progress.bad_in_a_row += 1
+        step, row = progress.step + 1, f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
+        print0(d.rank, f"step {step}: non-finite loss or gradient norm, optimizer step skipped ({row})")
+        if progress.bad_in_a_row >= cfg.max_bad_steps:
+            last = (complete_checkpoints(cfg) or ["none"])[-1]
+            raise RuntimeError(
+                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step "
+                f"{step}: stopping. The last checkpoint is {last}; lower learning_rate or look at the data"
+            )
+    job.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    progress.step += 1
+    return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm}
+
+
+# Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
+
+
 def matmul_params(model) -> int:
     """Parameters that cost 2 FLOPs per token each forward: the decoder layers and the LM head."""
     layers = sum(p.numel() for p in model.get_decoder().layers.parameters())
@@ -827,68 +1095,60 @@ def attention_flops_per_sq_token(model) -> int:
     return 6 * full * text.num_attention_heads * head_dim
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 5. Training
-# ------------------------------------------------------------------------------------------------------------
+class LogWindow:
+    """What the steps since the last log line add up to, over all ranks: the loss is reduced only when a line is
+    written (its .item() is a sync point). Logged at every checkpoint too, so a checkpoint never holds a window."""
 
+    def __init__(self, model, cfg: Config, d: Dist):
+        self.cfg, self.d = cfg, d
+        self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
+        name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
+        self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        self.start = self.since = time.perf_counter()
+        self.loss_sum, self.counts, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
 
-def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
-    """Linear warmup to learning_rate over warmup_steps, then cosine or linear decay to min_lr_ratio."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+    def add(self, stats: dict) -> None:
+        if stats["loss_sum"] is not None:  # a skipped step's loss is left out
+            self.loss_sum += stats["loss_sum"]
+            self.counts["loss_tokens"] += stats["loss_tokens"]
+        flops = 6 * self.n_matmul * stats["tokens"] + self.attn_per_sq * stats["sum_sq_len"]
+        self.counts.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
+        self.grad_norm = stats["grad_norm"]
 
-
-def to_device(block: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
-
-
-def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
-    """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
-    the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
-    per-rank block count and the packing statistics summed over ranks."""
-    blocks, tokens, loss_tokens, counts = 0, 0, 0, {}
-    for block in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
-        blocks += 1
-        tokens += block["tokens"]
-        loss_tokens += block["loss_tokens"]
-        counts[block["position"]["slot"]] = block["counts"]
-    totals = [None] * d.world_size
-    dist.all_gather_object(totals, (blocks, tokens, loss_tokens, _sum_counts(counts.values())))
-    stats = packing_stats(
-        cfg,
-        [t[0] for t in totals],
-        sum(t[1] for t in totals),
-        sum(t[2] for t in totals),
-        _sum_counts(t[3] for t in totals),
-    )
-    return max(t[0] for t in totals), stats
-
-
-def _sum_counts(counters) -> Counter:
-    total = Counter()
-    for c in counters:
-        total.update(c)
-    return total
-
-
-def packing_stats(cfg: Config, blocks_per_rank: list[int], tokens: int, loss_tokens: int, counts: Counter) -> dict:
-    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
-    skipped = skip_reasons(counts)
-    return {
-        "blocks": sum(blocks_per_rank),
-        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
-        "conversations": counts["conversations"],
-        "non_padding_fraction": round(tokens / capacity, 4),
-        "loss_token_fraction": round(loss_tokens / capacity, 4),
-        "truncated": counts["truncated"],
-        "skipped": sum(skipped.values()),
-        "skipped_by_reason": skipped,
-    }
+    def flush(self, job: Job, log: MetricsLog) -> float:
+        """Logs the window's line, checks the share of skipped records, starts afresh; returns the window's loss."""
+        data = sum((Counter(p.counts_at_end) for p in job.progress.streams.values()), Counter())
+        reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
+        skips = torch.tensor(
+            [sum(reasons.values()), sum(reasons.values()) + data["conversations"]], device=self.d.device
+        )
+        dist.all_reduce(skips)
+        dist.all_reduce(self.loss_sum)
+        now, c, step = time.perf_counter(), self.counts, job.progress.step
+        seconds, ranks, capacity = now - self.since, self.d.world_size, c["blocks"] * self.cfg.max_seq_len
+        record = {
+            "step": step,
+            "total_steps": job.total_steps,
+            "loss": self.loss_sum.item() / max(c["loss_tokens"], 1),
+            "lr": job.scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm.item(),
+            "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks,
+            "loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks,
+            "non_padding_fraction": c["tokens"] / capacity,
+            "loss_token_fraction": c["loss_tokens"] / capacity,
+            "mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None,
+            "memory_gib": peak_memory_gib(self.d.device),
+            "eta_s": (job.total_steps - step) * seconds / c["steps"],
+            "skipped_records": int(skips[0]),
+            "bad_steps": job.progress.bad_steps,
+            "elapsed_s": now - self.start,
+            "time": time.time(),
+        }
+        log.step_line(record)
+        check_skips(int(skips[0]), int(skips[1]), {"on this rank": reasons}, self.cfg)
+        self.since, self.counts = now, Counter()
+        self.loss_sum.zero_()
+        return record["loss"]
 
 
 class MetricsLog:
@@ -898,7 +1158,7 @@ class MetricsLog:
     the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only)."""
 
     def __init__(self, cfg: Config, d: Dist):
-        self.rank, self.mlflow = d.rank, None
+        self.rank, self.mlflow, self.device = d.rank, None, "gpu" if d.device.type == "cuda" else d.device.type
         if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
             import mlflow
 
@@ -908,14 +1168,6 @@ class MetricsLog:
             mlflow.log_params({k: v for k, v in params.items() if k not in run.data.params})
             self.mlflow = mlflow
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
-        self.peak = next(
-            (
-                v
-                for k, v in PEAK_BF16_FLOPS.items()
-                if d.device.type == "cuda" and k in torch.cuda.get_device_name(d.device)
-            ),
-            None,
-        )
 
     def write(self, record: dict) -> None:
         if self.rank != 0:
@@ -933,60 +1185,22 @@ class MetricsLog:
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
-    def close(self, status: str) -> None:
-        """status: FINISHED, or FAILED when the run ends with an error (a job's run must not read as a success)."""
-        if self.mlflow:
-            self.mlflow.end_run(status=status)
-
     def step_line(self, r: dict) -> None:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         eta = str(timedelta(seconds=int(r["eta_s"])))
         print0(
             self.rank,
             f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-            f"grad {r['grad_norm']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | "
-            f"{r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/gpu | mfu {mfu} | "
+            f"grad {r['grad_norm']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} tok/s/{self.device} | "
+            f"{r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{self.device} | mfu {mfu} | "
             f"mem {r['memory_gib']:.1f} GiB | eta {eta}",
         )
         self.write(r)
 
-
-def memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def filler_block(pad_id: int) -> dict:
-    """What a rank whose data has run out feeds the model while other ranks still train: FSDP's collectives
-    need every rank in every forward and backward. It has no loss tokens, so its loss and gradient are 0."""
-    return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
-
-
-def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
-    """Forward (and backward when scale is given) over n_micro blocks, fillers after this rank's last one.
-    The backward loss is sum(per-token CE) * scale; returns the detached sum of per-token losses."""
-    loss_sum = torch.zeros((), device=d.device)
-    for i in range(n_micro):
-        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
-        losses = model.token_losses(block, cfg.loss_chunk_tokens)
-        if scale is not None:
-            (losses.sum() * scale).backward()
-        loss_sum += losses.detach().sum()
-    return loss_sum
-
-
-def global_counts(blocks: list[dict], d: Dist) -> dict:
-    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
-    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
-    be known before the first backward."""
-    keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
-    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
-    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
-    max_blocks = local[:1].clone()
-    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
-    dist.all_reduce(local)
-    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
+    def close(self, status: str) -> None:
+        """status: FINISHED, or FAILED when the run ends with an error (a job's run must not read as a success)."""
+        if self.mlflow:
+            self.mlflow.end_run(status=status)
 
 
 class Evaluator:
@@ -994,200 +1208,63 @@ class Evaluator:
 
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
         self.cfg, self.d, self.filler = cfg, d, filler
-        loader = block_loader(
-            dataclasses.replace(cfg, num_workers=0), tokenizer, cfg.eval_split, d.rank, d.world_size, epochs=1
-        )
-        self.blocks = []
-        for block in loader:
-            self.blocks.append(block)
-            if len(self.blocks) == cfg.eval_blocks:
-                break
+        in_process = dataclasses.replace(cfg, num_workers=0)  # a few blocks, read once: no worker needed
+        loader = block_loader(in_process, tokenizer, cfg.eval_split, d.rank, d.world_size, epochs=1)
+        self.blocks = list(itertools.islice(loader, cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
         self.n_micro, self.loss_tokens = counts["max_blocks"], counts["loss_tokens"]
         if self.loss_tokens == 0:
             raise ValueError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
 
     @torch.no_grad()
-    def __call__(self, model) -> float:
+    def __call__(self, model, step: int, log: MetricsLog) -> float:
         model.eval()
         loss_sum = run_blocks(model, self.blocks, self.n_micro, self.filler, self.cfg, self.d, scale=None)
         model.train()
         dist.all_reduce(loss_sum)
-        return loss_sum.item() / self.loss_tokens
+        loss = loss_sum.item() / self.loss_tokens
+        print0(self.d.rank, f"eval step {step} | loss {loss:.4f}")
+        log.write({"step": step, "eval_loss": loss})
+        return loss
 
 
-@dataclass
-class Progress:
-    """This rank's resumable state, saved with every checkpoint: where training and each data stream are."""
-
-    step: int = 0
-    data: dict = dataclasses.field(default_factory=lambda: {"streams": {}, "next": 0})  # see PackedBlocks
-    blocks: int = 0  # blocks this rank has trained on
-    bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
-    bad_in_a_row: int = 0
-    stream_counts: dict = dataclasses.field(default_factory=dict)  # slot -> that stream's counts
-    window: Counter = dataclasses.field(default_factory=Counter)  # since the last log line
-    window_loss: float = 0.0
-
-    def took(self, block: dict, num_workers: int) -> None:
-        slot = block["position"]["slot"]
-        self.data["streams"][slot] = block["position"]
-        self.data["next"] = (slot + 1) % max(1, num_workers)
-        self.stream_counts[slot] = block["counts"]
-        self.blocks += 1
-
-    def data_seen(self) -> Counter:
-        """Conversations read, skipped (by reason) and truncated by this rank's streams, and blocks trained."""
-        return _sum_counts(self.stream_counts.values()) + Counter(blocks=self.blocks)
-
-
-def data_skips(progress: Progress, d: Dist) -> tuple[int, int, dict]:
-    """(records skipped, records read) so far over all ranks, and this rank's skips by reason."""
-    counts = _sum_counts(progress.stream_counts.values())
-    reasons = skip_reasons(counts)
-    total = torch.tensor([sum(reasons.values()), sum(reasons.values()) + counts["conversations"]], device=d.device)
-    dist.all_reduce(total)
-    return int(total[0]), int(total[1]), reasons
-
-
-def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
-        fused=d.device.type == "cuda",
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
-
-
-def training_loop(
-    model,
-    optimizer,
-    scheduler,
-    cfg: Config,
-    tokenizer,
-    d: Dist,
-    total_steps: int,
-    log: MetricsLog,
-    evaluator,
-    progress: Progress,
-    blocks,
-) -> dict:
-    """Each step takes gradient_accumulation_steps blocks per rank. The loss is the global token mean: every
-    rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all ranks) -- FSDP
-    averages gradients over ranks, so the world_size cancels and each loss token weighs the same wherever it
-    sits. A rank whose data runs out feeds fillers until every rank has; the loop ends when all have.
-    A checkpoint is written every save_every steps and at the end. blocks: this rank's block iterator, started
-    at progress.data."""
-    from torch.distributed.tensor import DTensor
-
-    pad_id = pad_token_id(tokenizer)
-    filler = filler_block(pad_id)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    n_matmul, attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
+def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None, step_hook=None) -> dict:
+    """Steps until total_steps or until every rank's data has run out (a rank that runs out first feeds fillers
+    until all have); logs every log_every steps, evaluates every eval_every, saves every save_every and at the
+    end. blocks: this rank's block iterator, started at job.progress."""
+    cfg, d, progress, total_steps = job.cfg, job.d, job.progress, job.total_steps
     data = (b for b in blocks)  # a generator: asking an exhausted rank for more blocks is safe however often
-    window_loss = torch.tensor(progress.window_loss, device=d.device)
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
-    saved_step = progress.step if progress.step else None  # a resumed run starts at a saved step
-    start = last_log = time.perf_counter()
-    model.train()
+    saved = progress.step or None  # a resumed run starts at a saved step
+    window = LogWindow(job.model, cfg, d)
+    job.model.train()
     while progress.step < total_steps:
-        blocks = []
-        for block in data:
+        step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
+        for block in step_blocks:
             progress.took(block, cfg.num_workers)
-            blocks.append(block)
-            if len(blocks) == cfg.gradient_accumulation_steps:
-                break
-        counts = global_counts(blocks, d)
-        n_micro, loss_tokens = counts["max_blocks"], counts["loss_tokens"]
-        if n_micro == 0:
+        stats = train_step(job, step_blocks, step_hook)
+        if stats["max_blocks"] == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
-        scale = d.world_size / max(loss_tokens, 1)
-        step_loss = run_blocks(model, blocks, n_micro, filler, cfg, d, scale)
-        if loss_tokens == 0:  # no rank had a loss token: nothing to learn from, and no division by zero
-            optimizer.zero_grad(set_to_none=True)
+        if stats["loss_tokens"] == 0:
             continue
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        window = progress.window
-        # A NaN or inf anywhere reaches every rank's global gradient norm, so every rank skips the same steps.
-        # .item() is a sync point, once a step.
-        if math.isfinite(grad_norm.item()):
-            optimizer.step()
-            progress.bad_in_a_row = 0
-            window_loss += step_loss
-            window["loss_tokens"] += loss_tokens
-        else:
-            progress.bad_steps += 1
-            progress.bad_in_a_row += 1
-            print0(
-                d.rank,
-                f"step {progress.step + 1}: non-finite loss or gradient norm, optimizer step skipped "
-                f"({progress.bad_in_a_row} in a row, {progress.bad_steps} in all)",
-            )
-            if progress.bad_in_a_row >= cfg.max_bad_steps:
-                last = complete_checkpoints(cfg)
-                raise RuntimeError(
-                    f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm "
-                    f"at step {progress.step + 1}: stopping. The last checkpoint is "
-                    f"{last[-1] if last else 'none'}; lower learning_rate or look at the data"
-                )
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.step += 1
+        window.add(stats)
         step = progress.step
-        flops = 6 * n_matmul * counts["tokens"] + attn_per_sq * counts["sum_sq_len"]
-        window.update(steps=1, flops=flops, blocks=counts["blocks"], tokens=counts["tokens"])
-        if step % cfg.log_every == 0 or step == total_steps:
-            skipped, records, reasons = data_skips(progress, d)
-            dist.all_reduce(window_loss)  # .item() below is a sync point: only on logging steps
-            now = time.perf_counter()
-            seconds = now - last_log
-            record = {
-                "step": step,
-                "total_steps": total_steps,
-                "loss": window_loss.item() / max(window["loss_tokens"], 1),
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s_per_gpu": window["tokens"] / seconds / d.world_size,
-                "loss_tokens_per_s_per_gpu": window["loss_tokens"] / seconds / d.world_size,
-                "non_padding_fraction": window["tokens"] / (window["blocks"] * cfg.max_seq_len),
-                "loss_token_fraction": window["loss_tokens"] / (window["blocks"] * cfg.max_seq_len),
-                "mfu": window["flops"] / seconds / d.world_size / log.peak if log.peak else None,
-                "memory_gib": memory_gib(d.device),
-                "eta_s": (total_steps - step) * seconds / window["steps"],
-                "skipped_records": skipped,
-                "bad_steps": progress.bad_steps,
-                "elapsed_s": now - start,
-                "time": time.time(),
-            }
-            log.step_line(record)
-            check_skips(skipped, records, {"on this rank": reasons}, cfg)
-            result.update(steps=step, final_loss=record["loss"])
-            progress.window, last_log = Counter(), now
-            window_loss.zero_()
+        save = cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps
+        if step % cfg.log_every == 0 or step == total_steps or save:
+            result.update(steps=step, final_loss=window.flush(job, log))
         if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            run_eval(evaluator, model, step, log, result)
-        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-            progress.window_loss = window_loss.item()
-            save_checkpoint(model, optimizer, scheduler, total_steps, progress, cfg, d)
-            saved_step = step
+            result["eval_loss"] = evaluator(job.model, step, log)
+        if save:
+            save_checkpoint(job)
+            saved = step
+    if window.counts["steps"]:  # the data ran out between log lines: log the rest before the final save
+        result.update(steps=progress.step, final_loss=window.flush(job, log))
     if evaluator:
-        run_eval(evaluator, model, progress.step, log, result)
-    if progress.step != saved_step:
-        progress.window_loss = window_loss.item()
-        save_checkpoint(model, optimizer, scheduler, total_steps, progress, cfg, d)
-    result["steps"] = progress.step
-    return result
-
-
-def run_eval(evaluator, model, step: int, log: MetricsLog, result: dict) -> None:
-    loss = evaluator(model)
-    print0(log.rank, f"eval step {step} | loss {loss:.4f}")
-    log.write({"step": step, "eval_loss": loss})
-    result["eval_loss"] = loss
+        result["eval_loss"] = evaluator(job.model, progress.step, log)
+    if cfg.save_every >= 0 and progress.step != saved:
+        save_checkpoint(job)
+    return {**result, "steps": progress.step}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1195,29 +1272,20 @@ def run_eval(evaluator, model, step: int, log: MetricsLog, result: dict) -> None
 # ------------------------------------------------------------------------------------------------------------
 
 
-# Keys a resumed run cannot change: the saved data positions and step count assume them, and the optimizer and
-# LR scheduler restore theirs from the checkpoint. Logging, eval, saving and max_steps may change.
-RESUME_FIXED = {
-    "model_name",
-    "tokenizer_name",
-    "dataset_name",
-    "dataset_revision",
-    "dataset_split",
-    "messages_column",
-    "max_seq_len",
-    "pack_buffer_blocks",
-    "seed",
-    "epochs",
-    "gradient_accumulation_steps",
-    "learning_rate",
-    "adam_beta1",
-    "adam_beta2",
-    "weight_decay",
-    "lr_schedule",
-    "warmup_steps",
-    "min_lr_ratio",
-    "master_dtype",
-}
+def check_output_dir(cfg: Config, d: Dist) -> Path:
+    """Every rank writes its checkpoint shards to output_dir: make sure each can, before anything is loaded."""
+    out = Path(cfg.output_dir)
+    probe = out / f".write-test-rank{d.rank}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
+            "to a directory (or Unity Catalog volume path) this job can write"
+        ) from e
+    return out
 
 
 def complete_checkpoints(cfg: Config) -> list[Path]:
@@ -1227,35 +1295,38 @@ def complete_checkpoints(cfg: Config) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / "complete.json").exists())
 
 
-def save_checkpoint(model, optimizer, scheduler, total_steps: int, progress: Progress, cfg: Config, d: Dist) -> None:
+def checkpoint_meta(path: Path) -> dict:
+    """A complete checkpoint's complete.json: step, total_steps, world_size, scheduler, config, bytes, seconds."""
+    return json.loads((path / "complete.json").read_text())
+
+
+def save_checkpoint(job: Job) -> None:
     """Model and optimizer as sharded DCP files (each rank writes its own shards), each rank's Progress and RNG
     states, then complete.json with the step, scheduler and configuration. Keeps the last keep_checkpoints."""
     import shutil
 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    cfg, d, progress = job.cfg, job.d, job.progress
     t0 = time.perf_counter()
     path = Path(cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
     if d.rank == 0 and path.exists():
         shutil.rmtree(path)  # an earlier, interrupted save of this step
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(job.model, job.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if d.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(d.device)
-    # asdict would turn the window Counter into a Counter of its items: save it as a plain dict
-    state = {**dataclasses.asdict(progress), "window": dict(progress.window)}
-    torch.save({"progress": state, "rng": rng}, path / f"rank_{d.rank:05d}.pt")
+    torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
     dist.barrier()  # every rank has written its part
     if d.rank == 0:
         size = sum(f.stat().st_size for f in path.iterdir())
         meta = {
             "step": progress.step,
-            "total_steps": total_steps,
+            "total_steps": job.total_steps,
             "world_size": d.world_size,
-            "num_workers": cfg.num_workers,
-            "scheduler": scheduler.state_dict(),
+            "scheduler": job.scheduler.state_dict(),
             "config": dataclasses.asdict(cfg),
             "bytes": size,
             "seconds": time.perf_counter() - t0,
@@ -1272,45 +1343,42 @@ def save_checkpoint(model, optimizer, scheduler, total_steps: int, progress: Pro
         )
 
 
-def resume_progress(path: Path, cfg: Config, d: Dist) -> Progress:
+def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
     """Checks that this configuration can resume the checkpoint at path and returns this rank's Progress, RNG
     states restored. Needs no model, so the data stream can restart while the weights load."""
-    meta = json.loads((path / "complete.json").read_text())
-    if (meta["world_size"], meta["num_workers"]) != (d.world_size, cfg.num_workers):
+    if meta["world_size"] != d.world_size:
         raise ValueError(
-            f"{path} was written by {meta['world_size']} ranks with num_workers {meta['num_workers']}; "
-            f"resume with the same, or use another output_dir to start afresh"
+            f"{path} was written by {meta['world_size']} ranks; resume with as many, or use another output_dir"
+        )
+    fixed = fixed_on_resume(meta["config"], cfg)
+    if fixed:
+        changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
+        raise ValueError(
+            f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the "
+            "batch and the optimizer of its checkpoint. Restore them, or use another output_dir"
         )
     changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
-    fixed = sorted(set(changed) & RESUME_FIXED)
-    if fixed:
-        raise ValueError(
-            f"{path} was written with other {fixed}: a resumed run keeps the data layout, the batch "
-            "and the optimizer of its checkpoint. Restore them, or use another output_dir"
-        )
     if changed:
         print0(d.rank, f"resuming with configuration changes: {changed}")
-    saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: Counters, RNG tuples
+    saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
     torch.set_rng_state(saved["rng"]["torch"])
     random.setstate(saved["rng"]["python"])
     if "cuda" in saved["rng"]:
         torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
-    return Progress(**{**saved["progress"], "window": Counter(saved["progress"]["window"])})
+    return Progress.from_state(saved["progress"])
 
 
-def resume_weights(path: Path, model, optimizer, scheduler, d: Dist) -> None:
+def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist) -> None:
     """Loads the checkpoint's model, optimizer and LR scheduler states into the sharded model and optimizer."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     t0 = time.perf_counter()
-    meta = json.loads((path / "complete.json").read_text())
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     scheduler.load_state_dict(meta["scheduler"])
-    print0(
-        d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {time.perf_counter() - t0:.1f}s"
-    )
+    seconds = time.perf_counter() - t0
+    print0(d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {seconds:.1f}s")
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
@@ -1337,14 +1405,8 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
     file_number = {name: n for n, name in enumerate(sorted(set(source_files.values())), 1)}
     state = {k: v.to(source_dtypes[k]) for k, v in model.state_dict().items() if k in source_dtypes}
     layout = {k: file_number.get(source_files.get(k), 1) for k in state}
-    writer = HuggingFaceStorageWriter(
-        str(out),
-        fqn_to_index_mapping=layout,
-        save_distributed=True,
-        enable_consolidation=True,
-        thread_count_consolidation=8,
-    )
-    dcp.save(state, storage_writer=writer)
+    kwargs = dict(save_distributed=True, enable_consolidation=True, thread_count_consolidation=8)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=layout, **kwargs))
     dist.barrier()
     if d.rank == 0:
         shutil.rmtree(out / "sharded")
@@ -1362,71 +1424,39 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
             if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name:
                 shutil.copy(f, out / f.name)
         tokenizer.save_pretrained(out)
-        size = sum(f.stat().st_size for f in out.iterdir())
-        print(
-            f"exported {len(state) + len(extra)} tensors, {size / 2**30:.2f} GiB in "
-            f"{time.perf_counter() - t0:.1f}s -> {out}",
-            flush=True,
-        )
+        size, seconds = sum(f.stat().st_size for f in out.iterdir()) / 2**30, time.perf_counter() - t0
+        print(f"exported {len(state) + len(extra)} tensors, {size:.2f} GiB in {seconds:.1f}s -> {out}", flush=True)
     dist.barrier()
     return out
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 7. Entry points: checks, train(config) for notebooks and torchrun, --inspect for the data alone
+# 7. Entry points: train(config) for notebooks and torchrun, --inspect for the data alone
 # ------------------------------------------------------------------------------------------------------------
 
 
-def check_output_dir(cfg: Config, d: Dist) -> Path:
-    """Every rank writes its checkpoint shards to output_dir: make sure each can, before anything is loaded."""
-    out = Path(cfg.output_dir)
-    probe = out / f".write-test-rank{d.rank}"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(
-            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
-            "to a directory (or Unity Catalog volume path) this job can write"
-        ) from e
-    return out
-
-
-def check_block_length(cfg: Config, config) -> None:
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_seq_len > limit:
-        raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
-
-
-def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
-    if records and skipped / records > cfg.max_skip_fraction:
-        raise ValueError(
-            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
-            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
-        )
-
-
-def train(config: Config | dict | None = None) -> dict:
-    """Runs the whole job in this rank's process and returns {final_loss, eval_loss, steps, output_dir}.
+def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
+    """Runs the whole job in this rank's process and returns {final_loss, eval_loss, steps, output_dir, model_dir}.
 
     torchrun calls it through main(); a notebook's @distributed function calls it directly in each rank's
-    process, with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* already set. A dict is checked key by key like a YAML
-    file. An existing process group is used and left open; one created here is destroyed here.
+    process, with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* already set. config: a Config, a dict (checked key by key
+    like a YAML file), or the path of a YAML file. An existing process group is used and left open; one
+    created here is destroyed here. step_hook(step, model, loss_sum) -> loss_sum runs on every rank after each
+    step's backward, before clipping (fault injection in the tests, custom monitoring).
     """
-    if not isinstance(config, Config):
-        config = dataclasses.replace(Config(), **{k: _checked(k, v, "train()") for k, v in (config or {}).items()})
-    cfg = config
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if isinstance(config, (str, Path)):
+        config = load_config(yaml_source(config, "train()"))
+    elif not isinstance(config, Config):
+        config = load_config(("train()", config or {}))
     d = setup_distributed()
     try:
-        return _train(cfg, d)
+        return run(config, d, step_hook)
     finally:
         if d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: Config, d: Dist) -> dict:
+def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     import transformers
 
     torch.manual_seed(cfg.seed)
@@ -1447,71 +1477,56 @@ def _train(cfg: Config, d: Dist) -> dict:
     latest = [(complete_checkpoints(cfg) or [None])[-1]]
     dist.broadcast_object_list(latest, src=0)
     resume_from = latest[0]
+    meta = checkpoint_meta(resume_from) if resume_from else None
 
-    # The step count: max_steps if set (also when resuming: a larger one extends the run); else the count a
-    # resumed run started with; else the counting pass packs the data once (no model needed) to count blocks.
-    stats, total_steps = None, cfg.max_steps
-    if resume_from and not cfg.max_steps:
-        total_steps = json.loads((resume_from / "complete.json").read_text())["total_steps"]
-    elif not cfg.max_steps:
-        t0 = time.perf_counter()
-        max_blocks, stats = count_blocks(cfg, tokenizer, d)
-        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
-        print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
-        if total_steps == 0:
-            raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
-        check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
-
+    total_steps, stats = step_count(cfg, tokenizer, d, meta)
     # The data stream starts now: its worker packs the first buffer while the weights load.
-    progress = resume_progress(resume_from, cfg, d) if resume_from else Progress()
-    blocks = iter(block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress.data))
+    progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
+    blocks = iter(block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress))
     source = pretrained_dir(cfg)
-    source_dtypes = checkpoint_dtypes(source)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
-    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
-    if resume_from:
-        resume_weights(resume_from, model, optimizer, scheduler, d)
+    # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
+    if cfg.init == "pretrained":
+        source_dtypes = checkpoint_dtypes(source)
     else:
+        source_dtypes = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
+    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
+    if meta:
+        resume_weights(resume_from, meta, model, optimizer, scheduler, d)
+    elif cfg.init == "pretrained":
         load_pretrained(model, source, source_dtypes)
-    n_params = sum(p.numel() for p in model.parameters())
-    layers = model.get_decoder().layers
+    else:
+        init_random(model, cfg.seed)
+    layers, rss = model.get_decoder().layers, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     recomputed = sum(getattr(layer, "gradient_checkpointing", False) for layer in layers)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print0(
         d.rank,
-        f"model: {config.model_type}, {n_params / 1e6:,.1f}M parameters, {len(layers)} decoder layers "
-        f"({recomputed} recomputed in backward{', norms and MLPs compiled' if cfg.compile else ''}), "
-        f"attention {attn}, built, sharded over {d.world_size} ranks and loaded in "
-        f"{time.perf_counter() - t0:.1f}s, peak host memory {peak_rss:.1f} GiB on rank 0",
-    )
-    tokens_per_step = cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len
-    print0(
-        d.rank,
-        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | "
-        f"tokens per step {tokens_per_step:,} | torch {torch.__version__} | "
+        f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
+        f"{len(layers)} decoder layers ({recomputed} recomputed{', norms and MLPs compiled' if cfg.compile else ''}), "
+        f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in "
+        f"{time.perf_counter() - t0:.1f}s, peak host memory {rss:.1f} GiB on rank 0\n"
+        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
+        f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
         f"transformers {transformers.__version__}",
     )
-    log = MetricsLog(cfg, d)
-    status = "FAILED"
+    log, status = MetricsLog(cfg, d), "FAILED"
     try:
         if stats:
             log.write({"step": 0, "packing": stats})
-        pad_id = pad_token_id(tokenizer)
-        evaluator = Evaluator(cfg, tokenizer, d, filler_block(pad_id)) if cfg.eval_split else None
-        result = training_loop(
-            model, optimizer, scheduler, cfg, tokenizer, d, total_steps, log, evaluator, progress, blocks
-        )
-        data = [None] * d.world_size
-        dist.all_gather_object(data, progress.data_seen())
-        summary = dict(_sum_counts(data))
+        job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler_block(pad_token_id(tokenizer)))
+        evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split else None
+        result = training_loop(job, blocks, log, evaluator, step_hook)
+        seen = [None] * d.world_size
+        dist.all_gather_object(seen, progress.data_seen())
+        summary = dict(sum(seen, Counter()))
         print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
         log.write({"step": result["steps"], "data_seen": summary})
-        export = export_hf(model, tokenizer, source, source_dtypes, cfg, d)
+        export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
         status = "FINISHED"
     finally:
         log.close(status)
-    return {**result, "output_dir": str(out), "model_dir": str(export)}
+    return {**result, "output_dir": str(out), "model_dir": str(export) if export else None}
 
 
 def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:
@@ -1539,42 +1554,28 @@ def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:
                 print(mark_loss_spans(tokenizer, ids, labels))
     if shown:
         capacity = len(shown) * cfg.max_seq_len
-        counts = shown[-1]["counts"]
+        counts = shown[-1]["position"].counts_at_end
         print(
             f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
             f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
             f"skipped {skip_reasons(counts)}"
         )
     if out_path:
-        with open(out_path, "w") as f:
-            for block in shown:
-                f.write(
-                    json.dumps(
-                        {k: block[k].tolist() for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")}
-                    )
-                    + "\n"
-                )
+        keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")
+        Path(out_path).write_text("".join(json.dumps({k: b[k].tolist() for k in keys}) + "\n" for b in shown))
 
 
 def mark_loss_spans(tokenizer, ids: list[int], labels: list[int]) -> str:
     """Decoded text with every run of loss tokens wrapped in ⟦ ⟧."""
-    text, run, in_loss = [], [], False
-    for token, label in zip(ids, labels):
-        if (label != -100) != in_loss and run:
-            text.append(tokenizer.decode(run) if not in_loss else f"⟦{tokenizer.decode(run)}⟧")
-            run = []
-        in_loss = label != -100
-        run.append(token)
-    if run:
-        text.append(tokenizer.decode(run) if not in_loss else f"⟦{tokenizer.decode(run)}⟧")
-    return "".join(text)
+    runs = itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != -100)
+    text = [(loss, tokenizer.decode([token for token, _ in run])) for loss, run in runs]
+    return "".join(f"⟦{t}⟧" if loss else t for loss, t in text)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, modes = parse_args(sys.argv[1:] if argv is None else argv)
-    if modes["inspect"]:
-        validate(cfg, 1)
-        inspect_blocks(cfg, modes["inspect"], modes["inspect_out"])
+    cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.inspect:
+        inspect_blocks(cfg, args.inspect, args.inspect_out)
         return
     train(cfg)
 

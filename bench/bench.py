@@ -6,11 +6,11 @@ Subcommands (bench/run_bench.sh strings them together; docs/BENCHMARKS.md has th
                             conversations are ~3 blocks of 32k tokens; a benchmark needs more)
   ours --model-config DIR --tokenizer DIR --data FILE --seq-len N --steps N --out DIR
                             under torchrun: train.train(config), the recipe's own code path (packing, FSDP2,
-                            loss, loop, metrics.jsonl), with one change: random weights instead of a checkpoint
-                            (and no checkpoint or export written); see use_random_weights
+                            loss, loop, metrics.jsonl), with the settings init: random (the geometry's own
+                            initialiser, no checkpoint read), save_every: -1 and export: false
   seed SEED_PY              under torchrun: runs the seed script unchanged (runpy, BENCH_* variables from the
                             environment) with a global optimizer-step hook that prints when its first step ends
-Both recipes' random weights are created on the GPU (build_device); everything after that is each recipe's own.
+Both recipes' random weights are created on the GPU; everything after that is each recipe's own.
   summary WORK              reads WORK/runs.tsv (one line per run, written by run_bench.sh), prints the table
                             and writes WORK/summary.json
   flops --model-config DIR  FLOPs per token of the geometry: the recipe's MFU terms and the Gated DeltaNet term
@@ -71,28 +71,6 @@ def lift_fla_hopper_guard() -> None:
             print("bench: WORKAROUND fla Hopper/Triton<3.7.1 backward guard lifted (timing only)", flush=True)
 
 
-def use_random_weights(train, out: str) -> None:
-    """The one change to the recipe's path: random weights instead of a checkpoint, and no checkpoint or export
-    written (a 6B-parameter geometry would spend minutes writing 100 GB). Model building, FSDP2, packing, the loss
-    and the loop are the recipe's own: train.build_model runs as is; only these four functions are replaced."""
-    import torch
-
-    def random_weights(model, path, source_dtypes) -> None:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for p in model.parameters():  # this rank's shards, already on its GPU
-                local = p.to_local()
-                local.normal_(0.0, 0.02) if local.dim() > 1 else local.zero_()  # qwen3_5 norms are (1 + w)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"bench: random init of the sharded model in {time.perf_counter() - t0:.1f}s", flush=True)
-
-    train.pretrained_dir = lambda cfg: Path(cfg.model_name)  # a geometry: config.json, no weights
-    train.checkpoint_dtypes = lambda path: {}
-    train.load_pretrained = random_weights
-    train.save_checkpoint = lambda *args, **kwargs: None
-    train.export_hf = lambda *args, **kwargs: Path(out)
-
-
 def cmd_ours(args) -> None:
     sys.path.insert(0, str(ROOT))
     import yaml
@@ -100,7 +78,6 @@ def cmd_ours(args) -> None:
     import train
 
     lift_fla_hopper_guard()
-    use_random_weights(train, args.out)
     if os.environ.get("BENCH_MEMORY_CAP_GIB"):  # e.g. 80: can an 80 GB GPU (H100) take this run?
         import torch
 
@@ -116,19 +93,19 @@ def cmd_ours(args) -> None:
         "attn_implementation": args.attn,
         "max_seq_len": args.seq_len,
         "max_steps": args.steps,
-        "save_every": 0,
         "log_every": 1,
         "output_dir": args.out,
+        # The recipe's path with random weights (a geometry has config.json only), and nothing written at the end
+        # (a 6B-parameter geometry would spend minutes writing 100 GB).
+        "init": "random",
+        "save_every": -1,
+        "export": False,
     }
+    overrides = {}
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
-        config[key] = train._checked(key, yaml.safe_load(value), "--set")
-    if os.environ.get("BENCH_RESHARD_AFTER_FORWARD") == "0":  # experiment: keep layers unsharded until backward
-        import torch.distributed.fsdp as fsdp
-
-        fully_shard = fsdp.fully_shard
-        fsdp.fully_shard = lambda module, **kwargs: fully_shard(module, reshard_after_forward=False, **kwargs)
-    result = train.train(config)
+        overrides[key] = yaml.safe_load(value)
+    result = train.train(train.load_config(("bench", config), ("--set", overrides)))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
 
@@ -362,7 +339,7 @@ def ours_numbers(run: Path, launch: float) -> dict:
         "peak_mem_gib": max(r["memory_gib"] for r in steps),
         "final_loss": steps[-1]["loss"],
     }
-    if m := re.search(r"sharded over \d+ ranks and loaded in ([\d.]+)s", log):
+    if m := re.search(r"sharded over \d+ ranks, \w+ weights, ready in ([\d.]+)s", log):
         out["model_build_s"] = float(m.group(1))
     if timed:
         seconds = sum(dt for _, dt in timed)

@@ -1,4 +1,10 @@
+"""Shared by the tests: paths, the tiny model, the CPU training job, the torchrun launcher. pyproject.toml puts
+the repo root and tools/ on the import path (pytest's pythonpath); workers under torchrun get them through
+PYTHONPATH."""
+
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -6,10 +12,29 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
 SAMPLE = ROOT / "data" / "ultrachat_sample.jsonl"
+WORKERS = ROOT / "tests" / "workers"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def worker_env(**extra) -> dict:
+    """The environment of a process a test starts: train and tools importable, one thread per CPU rank."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(*args, timeout=300, env=None) -> str:
+    """Runs args (a script and its arguments) on 2 CPU ranks under torchrun; fails the test if it fails."""
+    proc = subprocess.run(
+        [*TORCHRUN, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=worker_env(**(env or {})),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def write_tiny_job(path: Path, tiny_model_dir, **settings) -> Path:

@@ -1,4 +1,9 @@
+import dataclasses
+import subprocess
+import sys
+
 import pytest
+from conftest import ROOT
 
 import train
 
@@ -31,8 +36,8 @@ def test_precedence_parameters_then_config_file_then_flags(tmp_path, monkeypatch
 
 def test_flag_values_are_typed(monkeypatch):
     monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
-    cfg, modes = train.parse_args(["--learning_rate", "2e-5", "--compile", "true", "--inspect", "3"])
-    assert cfg.learning_rate == 2e-5 and cfg.compile is True and modes["inspect"] == 3
+    cfg, args = train.parse_args(["--learning_rate", "2e-5", "--compile", "true", "--inspect", "3"])
+    assert cfg.learning_rate == 2e-5 and cfg.compile is True and args.inspect == 3
 
 
 def test_yaml_exponent_without_dot_is_a_float(tmp_path, monkeypatch):
@@ -49,7 +54,7 @@ def test_int_is_accepted_for_a_float_field(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--learning_rat", "1e-5"], "unknown configuration key 'learning_rat'"),
+        (["--learning_rat", "1e-5"], "key 'learning_rat' (from command line); did you mean 'learning_rate'?"),
         (["--max_steps", "ten"], "'max_steps' (from command line) must be int"),
         (["--epochs", "1.5"], "'epochs' (from command line) must be int"),
         (["--compile", "maybe"], "'compile' (from command line) must be bool"),
@@ -86,7 +91,7 @@ def test_train_rejects_unknown_keys_before_loading_anything():
 )
 def test_settings_that_cannot_work_fail_validation(override, message):
     with pytest.raises(ValueError, match=message):
-        train.validate(train.Config(**override), 1)
+        train.Config(**override)
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():
@@ -97,3 +102,32 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert train.lr_factor(20, cfg, 20) == pytest.approx(0.1)
     linear = train.Config(warmup_steps=0, min_lr_ratio=0.0, lr_schedule="linear")
     assert train.lr_factor(5, linear, 10) == pytest.approx(0.5)
+
+
+def test_a_config_built_in_code_is_checked_like_one_from_a_file():
+    with pytest.raises(ValueError, match="max_seq_len must be >= 16, got 8"):
+        train.Config(max_seq_len=8)
+    with pytest.raises(ValueError, match="'epochs' \\(from Config\\) must be int"):
+        train.Config(epochs="2")
+    assert train.Config(max_grad_norm=2).max_grad_norm == 2.0
+
+
+def test_a_setting_may_change_on_resume_only_if_its_field_says_so():
+    saved = dataclasses.asdict(train.Config())
+    free = train.Config(log_every=1, max_steps=9, output_dir="elsewhere", activation_checkpointing=0.5)
+    assert train.fixed_on_resume(saved, free) == {}
+    fixed = train.Config(seed=1, num_workers=0, learning_rate=2e-5)
+    assert train.fixed_on_resume(saved, fixed) == {"seed": (0, 1), "num_workers": (1, 0), "learning_rate": (1e-5, 2e-5)}
+    resumable = {f.name for f in dataclasses.fields(train.Config) if f.metadata["resumable"]}
+    assert "seed" not in resumable and {"log_every", "max_steps", "save_every", "output_dir"} <= resumable
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_setting_from_its_field(flag):
+    proc = subprocess.run([sys.executable, "train.py", flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps the help to the terminal's width
+    for f in dataclasses.fields(train.Config):
+        assert f"--{f.name} {type(f.default).__name__.upper()} {f.metadata['doc']}" in text, f.name
+    assert "tokens per packed block (default: 32768)" in text
+    assert "steps per log line (also logged at every checkpoint) (default: 10; may change on resume)" in text

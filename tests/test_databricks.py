@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLE, fake_cuda_home, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, fake_cuda_home, worker_env, write_tiny_job
 
 import train
 
@@ -53,8 +53,7 @@ def test_workload_follows_the_ai_runtime_rules(path):
     assert all(isinstance(v, str) for v in w.get("env_variables", {}).values())
     for name, ref in w.get("secrets", {}).items():
         assert isinstance(ref, str) and len(ref.split("/")) == 2 and all(ref.split("/")), (name, ref)
-    for key, value in w.get("parameters", {}).items():
-        train._checked(key, value, str(path))  # raises on a key train.py does not have, or a wrong type
+    train.load_config((str(path), w["parameters"]))  # raises on a key train.py does not have, or a bad value
     assert w["parameters"]["output_dir"].startswith("/Volumes/")
     assert w["max_retries"] >= 1  # a retry resumes from the last checkpoint
     assert "torchrun" in w["command"] and '"${NUM_NODES:-1}"' in w["command"]
@@ -115,6 +114,7 @@ def tiny_override(tmp_path, tiny_model_dir, **extra):
     )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
 def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_path):
     """The command as the platform runs it: once per node, under bash, in a copy of what it uploads at
@@ -157,6 +157,7 @@ def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_pat
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
 
 
+@pytest.mark.distributed
 def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
@@ -171,23 +172,9 @@ def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
         for key in env:
             os.environ.pop(key)
     config = tiny_override(tmp_path, tiny_model_dir)
-    env = {**os.environ, **env, "MLFLOW_RUN_ID": run_id, "HF_TOKEN": "hf_SECRETtokenVALUE123", "OMP_NUM_THREADS": "1"}
+    env = worker_env(**env, MLFLOW_RUN_ID=run_id, HF_TOKEN="hf_SECRETtokenVALUE123")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "train.py",
-            "--config",
-            str(config),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*TORCHRUN, "train.py", "--config", str(config)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = client.get_run(run_id)
@@ -203,6 +190,7 @@ def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
     assert not any("SECRETtoken" in text for text in everything)
 
 
+@pytest.mark.distributed
 def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_model_dir, tmp_path):
     """@distributed starts one process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, and calls the
     function there: no torchrun."""

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import time
 import httpx2
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, worker_env, write_tiny_job
 from huggingface_hub.errors import GatedRepoError
 from transformers import AutoModelForCausalLM
 
@@ -93,7 +92,7 @@ def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path
         if reason:
             expected[reason] = expected.get(reason, 0) + 1
     expected["unreadable line"] = 2
-    counts = blocks[-1]["counts"]
+    counts = blocks[-1]["position"].counts_at_end
     assert train.skip_reasons(counts) == expected
     assert counts["conversations"] == 1 + sum(reason is None for _, reason in MALFORMED)
     text = tokenizer.decode(blocks[0]["input_ids"][0][blocks[0]["labels"][0] != -100])
@@ -201,25 +200,17 @@ def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180, env=None):
     )
     start = time.time()
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "tests/fault_launch.py",
-            str(config),
-            fault,
-        ],
+        [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(config), fault],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env=worker_env(**(env or {})),
     )
     return proc.returncode, proc.stdout + proc.stderr, time.time() - start
 
 
+@pytest.mark.distributed
 def test_one_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(tiny_model_dir, tmp_path):
     rc, output, _ = faulty_run(tmp_path, tiny_model_dir, "nan-once")
     assert rc == 0, output[-3000:]
@@ -231,6 +222,7 @@ def test_one_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(tiny_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.distributed
 def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     """Also: the MLflow run of a run that stops on an error ends FAILED, not FINISHED."""
     from mlflow.tracking import MlflowClient
@@ -247,6 +239,7 @@ def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(ti
     assert [r.info.status for r in runs] == ["FAILED"] and "loss" in runs[0].data.metrics
 
 
+@pytest.mark.distributed
 def test_an_exception_on_one_rank_ends_every_rank_without_hanging(tiny_model_dir, tmp_path):
     rc, output, seconds = faulty_run(tmp_path, tiny_model_dir, "raise", timeout=120)
     assert rc != 0 and "injected fault on rank 1" in output

@@ -80,8 +80,8 @@ def test_labels_are_masked_on_every_segment_start_and_on_padding(packed):
 
 def test_truncation_is_counted(packed):
     _, blocks, _ = packed
-    assert blocks[-1]["counts"]["truncated"] == 3
-    assert blocks[-1]["counts"]["conversations"] == 203
+    assert blocks[-1]["position"].counts_at_end["truncated"] == 3
+    assert blocks[-1]["position"].counts_at_end["conversations"] == 203
 
 
 def test_make_block_worked_example():

@@ -2,7 +2,7 @@
 Hugging Face checkpoint (or, given a third argument, from a DCP training checkpoint), then rank 0 saves its
 full parameters, buffers and the logits of a fixed input; finally the recipe's export writes OUT/model.
 
-    torchrun --nproc_per_node=2 tests/dist_export_check.py MODEL_DIR OUT_DIR [CHECKPOINT_DIR]
+    torchrun --nproc_per_node=2 tests/workers/export_worker.py MODEL_DIR OUT_DIR [CHECKPOINT_DIR]
 """
 
 import sys
@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train  # noqa: E402
+import train
 
 source, out = Path(sys.argv[1]), Path(sys.argv[2])
 d = train.setup_distributed()

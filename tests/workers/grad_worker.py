@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train  # noqa: E402
+import train
 
 model_dir, blocks_file, out_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 d = train.setup_distributed()

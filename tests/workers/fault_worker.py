@@ -1,0 +1,32 @@
+"""Run by tests/test_faults.py under torchrun: train.train(job) with a fault injected into rank 1.
+
+    torchrun --nproc_per_node=2 tests/workers/fault_worker.py job.yaml {nan-once,nan-always,raise}
+
+nan-once: rank 1's loss is NaN at the 2nd training step; nan-always: from the 3rd step on;
+raise: rank 1 raises at the 2nd step, while rank 0 goes on into the next collective.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+import train
+
+job, fault = sys.argv[1:3]
+rank = int(os.environ["RANK"])
+
+
+def inject(step, model, loss_sum):
+    """train()'s step hook: runs after each step's backward, before clipping."""
+    if rank == 1 and fault == "raise" and step == 2:
+        raise RuntimeError("injected fault on rank 1")
+    if rank == 1 and (fault == "nan-once" and step == 2 or fault == "nan-always" and step >= 3):
+        # a NaN in this rank's gradients, as an overflow in its backward would leave
+        next(model.parameters()).grad.fill_(float("nan"))
+        loss_sum = loss_sum * float("nan")
+    return loss_sum
+
+
+train.train(yaml.safe_load(Path(job).read_text()), step_hook=inject)
