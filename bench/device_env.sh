@@ -1,8 +1,8 @@
-# Sourced at the start of a device call (nvidia-h200 machines, docs/BENCHMARKS.md "Commands"):
+# Sourced at the start of each command on a GPU machine without a package index (docs/BENCHMARKS.md "Commands"):
 #   source bench/device_env.sh
-# Installs the packages the machine lacks from .device-deps (a copy of ../shared/device) into /tmp/site, points
+# Installs the packages the machine lacks from .device-deps (their wheels) into /tmp/site, points
 # Triton's and Inductor's caches at /tmp, and restores them from .bench-assets/caches.tar.xz.part* when an earlier
-# call brought them back (bench/save_caches.sh): a cold start spends minutes compiling and autotuning
+# run saved them (bench/save_caches.sh): a cold start spends minutes compiling and autotuning
 # flash-linear-attention's Triton kernels before step 1, and fla keeps its autotuning results in Triton's cache.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .device-deps/*.whl || return 1

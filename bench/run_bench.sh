@@ -9,7 +9,7 @@
 # shorter fallbacks after it. Runs are appended to $BENCH_WORK/runs.tsv; the table comes from `bench.py summary`.
 #
 # Environment: BENCH_ASSETS (default .bench-assets) holds tok/ (tokenizer files; tokenizer.json is unpacked from
-# tokenizer.json.xz beside it if missing), ultrachat_200.jsonl and seed_train.py. BENCH_WORK (default
+# tokenizer.json.xz beside it if missing) and ultrachat_200.jsonl; the seed is bench/baseline/seed_train.py. BENCH_WORK (default
 # /tmp/bench), BENCH_COPIES (40 shuffled copies of the 200 conversations), BENCH_KINDS ("ours seed"),
 # BENCH_OURS_ARGS (extra `bench.py ours` arguments, e.g. "--set activation_checkpointing=0.5"), BENCH_VARIANT
 # (the name the summary gives those settings, default "default"),
@@ -44,7 +44,7 @@ for SEQ in $SEQS; do
     else
       BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
         BENCH_MAX_STEPS=$STEPS BENCH_WARMUP=2 timeout "${BENCH_TIMEOUT:-300}" \
-        torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py seed "$A/seed_train.py" 2>&1 | tee "$RUN/log.txt"
+        torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py seed bench/baseline/seed_train.py 2>&1 | tee "$RUN/log.txt"
       RC=${PIPESTATUS[0]}
       SEED_RC=$RC
     fi

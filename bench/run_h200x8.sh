@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's whole run, for one call on an nvidia-h200-x8 machine: the full 64-layer Qwen3.8-27B geometry,
+# The 8-GPU run, in one command on an 8xH200 machine: the full 64-layer Qwen3.8-27B geometry,
 # random init, 32,768-token blocks, 8 ranks, the recipe's defaults against the seed recipe, then the recipe
 # again with each GPU capped at 80 GiB (torch.cuda.set_per_process_memory_fraction) to see whether an 8xH100
 # node could take 32k blocks. Results under $1 (default $OUT); the table is in summary.txt.
@@ -7,7 +7,7 @@
 # The capped runs test docs/BENCHMARKS.md "Memory": predicted 81.8 GiB per GPU with the default fp32 master weights
 # (over the cap) and 56.7 GiB with master_dtype bfloat16 (under it).
 #
-# Device command (carry .device-deps and .bench-assets, as in docs/BENCHMARKS.md):
+# Command (with .device-deps and .bench-assets in place, as in docs/BENCHMARKS.md):
 #   source bench/device_env.sh && bash bench/run_h200x8.sh $OUT
 # Budget: without the carried caches a machine autotunes fla's kernels for minutes before step 1, so the first
 # run gets the longest timeout.
