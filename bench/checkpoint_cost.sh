@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What a synchronous checkpoint costs the training run (docs/CHECKPOINTS.md, "Cost at scale"), measured with the
+# recipe's own save, resume and export on the Qwen3.8-27B geometry (random init, fp32 master weights and AdamW
+# state, as the default job keeps them):
+#   1. train STEPS steps and save the final checkpoint (save_every 0), then export model/;
+#   2. drop the page cache, resume from that checkpoint and train one more step (nothing saved).
+# The save is synchronous: the training stall per checkpoint is its save time.
+#
+#   bash bench/checkpoint_cost.sh RESULTS_DIR [NGPU] [LAYERS] [STEPS]
+#
+# Needs the GPU machine's packages (source bench/device_env.sh), .bench-assets (tokenizer and data, see
+# run_bench.sh) and free disk for one checkpoint (12 bytes per parameter) and the export (2 bytes per parameter)
+# under $BENCH_WORK (default /tmp/ckpt).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=${1:?results dir} NGPU=${2:-2} LAYERS=${3:-8} STEPS=${4:-4}
+W=${BENCH_WORK:-/tmp/ckpt}
+A=${BENCH_ASSETS:-.bench-assets}
+mkdir -p "$W" "$R"
+[ -s "$A/tok/tokenizer.json" ] || xz -dc "$A/tokenizer.json.xz" > "$A/tok/tokenizer.json" || exit 1
+python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies 10 || exit 1
+ours() {
+  torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
+    --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" --data "$W/data.jsonl" \
+    --seq-len 16384 --attn torch_varlen --out "$W/run" "$@"
+}
+df -h "$W" | tail -1
+ours --steps "$STEPS" --set save_every=0 --set export=true 2>&1 | tee "$R/save.log"
+du -sb "$W"/run/checkpoints/step_* "$W/run/model" | tee "$R/sizes.txt"
+ls -l "$W"/run/checkpoints/step_*/ | tee -a "$R/sizes.txt"
+sync && echo 3 > /proc/sys/vm/drop_caches && echo "page cache dropped"
+ours --steps "$((STEPS + 1))" --set save_every=-1 --set export=false 2>&1 | tee "$R/resume.log"
+grep -h "^model:\|checkpoint step\|^exported\|^resumed from\|^step " "$R/save.log" "$R/resume.log"
