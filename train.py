@@ -18,14 +18,14 @@ The file runs these phases, in this order:
                     non-finite steps skipped on every rank together; the loop logs, evaluates and saves
   6. checkpoints    sharded DCP checkpoints with each rank's data position; automatic resume; the final
                     consolidated Hugging Face export to output_dir/model
-  7. entry points   train(config) for notebooks and torchrun, --inspect, main()
+  7. entry points   train(config) for notebooks and torchrun, main()
 
 Launch:
   GPU node:   torchrun --nproc_per_node=8 train.py                       (the default job)
   multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
                        --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py --config job.yaml
   CPU smoke:  torchrun --nproc_per_node=2 train.py --config examples/cpu_smoke.yaml
-  look at the data only (tokenizer needed, no model weights): python train.py --inspect 2
+  look at the data only (tokenizer needed, no weights): python tools/inspect_data.py 2 [the same flags]
   every setting: python train.py --help
 """
 
@@ -40,6 +40,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 from collections import Counter
@@ -135,6 +136,10 @@ class Config:
     save_every: int = setting(
         100, "steps between checkpoints; 0: at the end; -1: never", (lambda v: v >= -1, ">= -1"), True
     )
+    save_every_minutes: float = setting(
+        0.0, "also save when this many minutes have passed since the last save; 0: off", AT_LEAST_0, resumable=True
+    )
+    async_save: bool = setting(True, "write checkpoints in the background (host memory holds a copy)", resumable=True)
     keep_checkpoints: int = setting(2, "complete checkpoints kept", AT_LEAST_1, resumable=True)
     export: bool = setting(True, "write output_dir/model, the Hugging Face checkpoint, at the end", resumable=True)
     log_every: int = setting(10, "steps per log line (also logged at every checkpoint)", AT_LEAST_1, resumable=True)
@@ -187,14 +192,12 @@ def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
     return f"{name} {path}", data
 
 
-def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value, and the flags that are
-    not settings (--inspect, --inspect-out). The settings' flags, types and help come from Config's fields."""
-    usage = "train.py [--config FILE] [--KEY VALUE ...] [--inspect N [--inspect-out FILE]]"
-    parser = argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[Config, argparse.Namespace]:
+    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value. The settings' flags, types
+    and help come from Config's fields; a tool passes its own parser for its own flags (tools/inspect_data.py)."""
+    usage = "train.py [--config FILE] [--KEY VALUE ...]"
+    parser = parser or argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (after $HYPERPARAMETERS_PATH's)")
-    parser.add_argument("--inspect", type=int, default=0, metavar="N", help="print N packed blocks and exit")
-    parser.add_argument("--inspect-out", "--inspect_out", default="", metavar="FILE", help="--inspect's, as JSON")
     group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
     for f in dataclasses.fields(Config):
         resume = "; may change on resume" if f.metadata["resumable"] else ""
@@ -292,7 +295,7 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     skips["unreadable line"] += 1
         return
-    from datasets import load_dataset  # imported here: --inspect on a .jsonl file does not need it
+    from datasets import load_dataset  # imported here: a .jsonl file does not need it
 
     if path.suffix in (".json", ".parquet"):
         stream = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
@@ -1061,12 +1064,6 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
         progress.bad_in_a_row += 1
         step, row = progress.step + 1, f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
         print0(d.rank, f"step {step}: non-finite loss or gradient norm, optimizer step skipped ({row})")
-        if progress.bad_in_a_row >= cfg.max_bad_steps:
-            last = (complete_checkpoints(cfg) or ["none"])[-1]
-            raise RuntimeError(
-                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step "
-                f"{step}: stopping. The last checkpoint is {last}; lower learning_rate or look at the data"
-            )
     job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     progress.step += 1
@@ -1236,13 +1233,21 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
     data = (b for b in blocks)  # a generator: asking an exhausted rank for more blocks is safe however often
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
     saved = progress.step or None  # a resumed run starts at a saved step
-    window = LogWindow(job.model, cfg, d)
+    window, checkpoints = LogWindow(job.model, cfg, d), Checkpointer(job)
     job.model.train()
     while progress.step < total_steps:
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
         for block in step_blocks:
             progress.took(block, cfg.num_workers)
         stats = train_step(job, step_blocks, step_hook)
+        checkpoints.poll()
+        if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
+            checkpoints.finish()  # the write in flight holds a state from before these steps: keep it
+            last = (complete_checkpoints(cfg) or ["none"])[-1]
+            raise RuntimeError(
+                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step "
+                f"{progress.step}: stopping. The last checkpoint is {last}; lower learning_rate or look at the data"
+            )
         if stats["max_blocks"] == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
@@ -1250,20 +1255,21 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             continue
         window.add(stats)
         step = progress.step
-        save = cfg.save_every > 0 and step % cfg.save_every == 0 and step < total_steps
+        save = checkpoints.due(step) and step < total_steps
         if step % cfg.log_every == 0 or step == total_steps or save:
             result.update(steps=step, final_loss=window.flush(job, log))
         if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
             result["eval_loss"] = evaluator(job.model, step, log)
         if save:
-            save_checkpoint(job)
+            checkpoints.save()
             saved = step
     if window.counts["steps"]:  # the data ran out between log lines: log the rest before the final save
         result.update(steps=progress.step, final_loss=window.flush(job, log))
     if evaluator:
         result["eval_loss"] = evaluator(job.model, progress.step, log)
     if cfg.save_every >= 0 and progress.step != saved:
-        save_checkpoint(job)
+        checkpoints.save()
+    checkpoints.finish()  # the write in flight finishes and its checkpoint completes
     return {**result, "steps": progress.step}
 
 
@@ -1300,47 +1306,121 @@ def checkpoint_meta(path: Path) -> dict:
     return json.loads((path / "complete.json").read_text())
 
 
-def save_checkpoint(job: Job) -> None:
-    """Model and optimizer as sharded DCP files (each rank writes its own shards), each rank's Progress and RNG
-    states, then complete.json with the step, scheduler and configuration. Keeps the last keep_checkpoints."""
-    import shutil
+class Checkpointer:
+    """Sharded DCP checkpoints of the model and AdamW state (each rank writes its own shards), each rank's Progress
+    and RNG states, then complete.json (step, scheduler, configuration), written by rank 0 only once every rank's
+    write has finished: a crash during a write leaves the previous checkpoint the newest complete one.
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    async_save: each rank first copies its state to host memory (pinned on GPUs; the training stall), then a
+    background thread writes it while training goes on; after each step the ranks check together whether every
+    write has finished, and then complete.json is written. One write at a time: a save, and the end of the run,
+    wait for the one in flight. The background writes coordinate over a gloo group of their own, so their
+    collectives never interleave with training's."""
 
-    cfg, d, progress = job.cfg, job.d, job.progress
-    t0 = time.perf_counter()
-    path = Path(cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
-    if d.rank == 0 and path.exists():
-        shutil.rmtree(path)  # an earlier, interrupted save of this step
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(job.model, job.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if d.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(d.device)
-    torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
-    dist.barrier()  # every rank has written its part
-    if d.rank == 0:
-        size = sum(f.stat().st_size for f in path.iterdir())
+    def __init__(self, job: Job):
+        self.job, self.pending, self.last = job, None, time.monotonic()
+        if job.cfg.async_save:
+            self.group = dist.new_group(backend="gloo")
+            self.check_host_memory()
+
+    def check_host_memory(self) -> None:
+        """States what the staging copies hold in host memory, per rank and per node, against the node's memory."""
+        d, ranks = self.job.d, int(os.environ.get("LOCAL_WORLD_SIZE", self.job.d.world_size))
+        local = sum(
+            p.to_local().numel() * p.element_size() * (3 if p.requires_grad else 1) for p in self.job.model.parameters()
+        )
+        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        note = (
+            "" if ranks * local < 0.8 * node else " -- more than 80% of it: expect swapping, or set async_save: false"
+        )
+        print0(
+            d.rank,
+            f"async_save: {local / 2**30:.1f} GiB of host memory per rank for the staged checkpoint, "
+            f"{ranks * local / 2**30:.1f} GiB on this node of {node / 2**30:.0f} GiB{note}",
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether to save after this step: every save_every steps, or save_every_minutes after the last save (rank
+        0's clock decides, so that every rank saves the same steps)."""
+        cfg, d = self.job.cfg, self.job.d
+        if cfg.save_every > 0 and step % cfg.save_every == 0:
+            return True
+        if not cfg.save_every_minutes or cfg.save_every < 0:
+            return False
+        late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=d.device)
+        dist.broadcast(late, src=0)
+        return bool(late)
+
+    def save(self) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.finish()  # the write in flight, if any
+        job, d, progress = self.job, self.job.d, self.job.progress
+        t0 = time.perf_counter()
+        path = Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
+        if d.rank == 0 and path.exists():
+            shutil.rmtree(path)  # an earlier, interrupted save of this step
+        dist.barrier()
+        path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
+        model_state, optimizer_state = get_state_dict(job.model, job.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        future = stager = None
+        if job.cfg.async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # A stager per save: on torch 2.11 a second save through one stager (its cached pinned buffers)
+            # failed on an H200. Staging blocks (the copy must be taken before the next step changes the weights).
+            stager = DefaultStager(StagingOptions(d.device.type == "cuda", False, False, False))
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=stager)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if d.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(d.device)
+        torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
         meta = {
             "step": progress.step,
             "total_steps": job.total_steps,
             "world_size": d.world_size,
             "scheduler": job.scheduler.state_dict(),
-            "config": dataclasses.asdict(cfg),
-            "bytes": size,
-            "seconds": time.perf_counter() - t0,
+            "config": dataclasses.asdict(job.cfg),
         }
-        (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
-        os.replace(path / "complete.json.tmp", path / "complete.json")
-        complete = complete_checkpoints(cfg)
-        for old in complete[: -cfg.keep_checkpoints]:
-            shutil.rmtree(old)
-        for unfinished in (p for p in path.parent.glob("step_*") if p not in complete and p.name < path.name):
-            shutil.rmtree(unfinished)
-        print(
-            f"checkpoint step {progress.step}: {size / 2**30:.2f} GiB in {meta['seconds']:.1f}s -> {path}", flush=True
-        )
+        self.pending, self.last = (future, stager, path, meta, t0, time.perf_counter() - t0), time.monotonic()
+        if not future:
+            self.finish()
+
+    def poll(self) -> None:
+        """After each step while a write is in flight: once every rank's has finished, complete the checkpoint."""
+        if self.pending and self.pending[0]:
+            running = torch.tensor(int(not self.pending[0].done()), device=self.job.d.device)
+            dist.all_reduce(running)
+            if not running:
+                self.finish()
+
+    def finish(self) -> None:
+        """Waits for the write in flight, then rank 0 writes complete.json and removes what is no longer kept."""
+        if not self.pending:
+            return
+        (future, stager, path, meta, t0, stall), cfg = self.pending, self.job.cfg
+        if future:
+            future.result()  # raises what the write raised
+            stager.close()
+        dist.barrier()  # every rank has written its part
+        self.pending = None
+        if self.job.d.rank == 0:
+            meta.update(bytes=sum(f.stat().st_size for f in path.iterdir()), seconds=time.perf_counter() - t0)
+            (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
+            os.replace(path / "complete.json.tmp", path / "complete.json")
+            complete = complete_checkpoints(cfg)
+            for old in complete[: -cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+            for unfinished in (p for p in path.parent.glob("step_*") if p not in complete and p.name < path.name):
+                shutil.rmtree(unfinished)
+            print(
+                f"checkpoint step {meta['step']}: {meta['bytes'] / 2**30:.2f} GiB in {meta['seconds']:.1f}s "
+                f"(training stalled {stall:.1f}s) -> {path}",
+                flush=True,
+            )
 
 
 def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
@@ -1389,8 +1469,6 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
     has no module for (mtp.* heads) are copied from the source unchanged, and so are its configuration and
     processor files; the tokenizer is the one trained with.
     """
-    import shutil
-
     from safetensors import safe_open
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -1431,7 +1509,7 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 7. Entry points: train(config) for notebooks and torchrun, --inspect for the data alone
+# 7. Entry points: train(config) for notebooks and torchrun, main()
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -1529,55 +1607,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     return {**result, "output_dir": str(out), "model_dir": str(export) if export else None}
 
 
-def inspect_blocks(cfg: Config, n: int, out_path: str) -> None:
-    """Prints this rank's first n packed blocks, loss spans marked with ⟦ ⟧, and their packing statistics.
-    Needs the tokenizer only: model_name may be a directory that holds nothing else."""
-    tokenizer = load_tokenizer(cfg)
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    blocks = PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, world_size, epochs=1)
-    shown, tokens, loss_tokens = [], 0, 0
-    for block in blocks:
-        if len(shown) == n:
-            break
-        shown.append(block)
-        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
-        bounds = block["cu_seqlens"].tolist()
-        print(
-            f"=== block {len(shown) - 1}: {len(bounds) - 1} segments, {block['tokens']} tokens, "
-            f"{block['loss_tokens']} loss tokens, max segment {block['max_length']}"
-        )
-        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            ids, labels = block["input_ids"][0, a:b].tolist(), block["labels"][0, a:b].tolist()
-            kind = "padding" if a >= block["tokens"] else "conversation"
-            print(f"--- segment {s} ({kind}): tokens {a}..{b - 1}, positions 0..{b - a - 1}")
-            if kind == "conversation":
-                print(mark_loss_spans(tokenizer, ids, labels))
-    if shown:
-        capacity = len(shown) * cfg.max_seq_len
-        counts = shown[-1]["position"].counts_at_end
-        print(
-            f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
-            f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
-            f"skipped {skip_reasons(counts)}"
-        )
-    if out_path:
-        keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")
-        Path(out_path).write_text("".join(json.dumps({k: b[k].tolist() for k in keys}) + "\n" for b in shown))
-
-
-def mark_loss_spans(tokenizer, ids: list[int], labels: list[int]) -> str:
-    """Decoded text with every run of loss tokens wrapped in ⟦ ⟧."""
-    runs = itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != -100)
-    text = [(loss, tokenizer.decode([token for token, _ in run])) for loss, run in runs]
-    return "".join(f"⟦{t}⟧" if loss else t for loss, t in text)
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.inspect:
-        inspect_blocks(cfg, args.inspect, args.inspect_out)
-        return
-    train(cfg)
+    train(parse_args(sys.argv[1:] if argv is None else argv)[0])
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 # What a synchronous checkpoint costs the training run (docs/CHECKPOINTS.md, "Cost at scale"), measured with the
 # recipe's own save, resume and export on the Qwen3.8-27B geometry (random init, fp32 master weights and AdamW
 # state, as the default job keeps them):
-#   1. train STEPS steps and save the final checkpoint (save_every 0), then export model/;
-#   2. drop the page cache, resume from that checkpoint and train one more step (nothing saved).
-# The save is synchronous: the training stall per checkpoint is its save time.
+#   1. train STEPS steps, saving every SAVE_EVERY steps (default 0: only the final checkpoint), then export model/
+#      unless EXPORT=false; each save logs its size, time and the training stall;
+#   2. unless RESUME=0: drop the page cache, resume from the last checkpoint and train one more step.
+# ASYNC=false makes the saves synchronous (the stall is then the whole save).
 #
 #   bash bench/checkpoint_cost.sh RESULTS_DIR [NGPU] [LAYERS] [STEPS]
 #
@@ -25,9 +26,12 @@ ours() {
     --seq-len 16384 --attn torch_varlen --out "$W/run" "$@"
 }
 df -h "$W" | tail -1
-ours --steps "$STEPS" --set save_every=0 --set export=true 2>&1 | tee "$R/save.log"
-du -sb "$W"/run/checkpoints/step_* "$W/run/model" | tee "$R/sizes.txt"
+ours --steps "$STEPS" --set save_every="${SAVE_EVERY:-0}" --set export="${EXPORT:-true}" \
+  --set async_save="${ASYNC:-true}" 2>&1 | tee "$R/save.log"
+du -sb "$W"/run/checkpoints/step_* "$W"/run/model 2>/dev/null | tee "$R/sizes.txt"
 ls -l "$W"/run/checkpoints/step_*/ | tee -a "$R/sizes.txt"
-sync && echo 3 > /proc/sys/vm/drop_caches && echo "page cache dropped"
-ours --steps "$((STEPS + 1))" --set save_every=-1 --set export=false 2>&1 | tee "$R/resume.log"
-grep -h "^model:\|checkpoint step\|^exported\|^resumed from\|^step " "$R/save.log" "$R/resume.log"
+if [ "${RESUME:-1}" = 1 ]; then
+  sync && echo 3 > /proc/sys/vm/drop_caches && echo "page cache dropped"
+  ours --steps "$((STEPS + 1))" --set save_every=-1 --set export=false 2>&1 | tee "$R/resume.log"
+fi
+grep -h "^model:\|^async_save\|checkpoint step\|^exported\|^resumed from\|^step " "$R"/*.log

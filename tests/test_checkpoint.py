@@ -121,16 +121,22 @@ def losses_by_step(out):
     return {r["step"]: r["loss"] for r in records if "loss" in r}  # a re-run step keeps its last record
 
 
-@pytest.mark.distributed
-def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory):
+    """The run the resume tests compare with: never interrupted. log_every 2, save_every 3: a checkpoint step logs
+    too, so the log window never straddles a checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("straight")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(open(SAMPLE).readlines()[:64]))
+    command, out = job(tmp_path, tiny_model_dir, "straight", data, log_every=2)
+    run(command, worker_env())
+    return data, out
+
+
+@pytest.mark.distributed
+def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny_model_dir, straight, tmp_path):
+    data, straight = straight
     env = worker_env()
-
-    # log_every 2, save_every 3: a checkpoint step logs too, so the log window never straddles a checkpoint
-    command, straight = job(tmp_path, tiny_model_dir, "straight", data, log_every=2)
-    run(command, env)
-
     command, killed = job(tmp_path, tiny_model_dir, "killed", data, log_every=2)
     victim = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -158,6 +164,24 @@ def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny
     with torch.no_grad():
         logits = reloaded(input_ids=got["input_ids"], use_cache=False).logits
     assert torch.allclose(logits, got["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_model_dir, straight, tmp_path):
+    """Saves at steps 3 and 6 run in the background (async_save); step 3's completes during step 4. Every rank
+    dies in step 7, before the ranks have agreed that step 6's write is done: step 6 has no complete.json, and
+    the rerun resumes from step 3 and ends bit-identical to a run never interrupted."""
+    data, straight = straight
+    command, killed = job(tmp_path, tiny_model_dir, "killed", data, log_every=2)
+    faulty = [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(tmp_path / "killed.yaml"), "kill-at-7"]
+    proc = subprocess.run(faulty, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "step 6/" in proc.stdout and "step 7/" not in proc.stdout, proc.stdout[-2000:]
+    assert (killed / "checkpoints/step_00000006").is_dir()
+    assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(killed)))] == ["step_00000003"]
+    assert f"resumed from {killed}/checkpoints/step_00000003" in run(command, worker_env())
+    assert losses_by_step(killed) == losses_by_step(straight)
+    a, b = tensors(straight / "model"), tensors(killed / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_interrupted_saves_are_never_resumed_from(tmp_path):
@@ -232,7 +256,9 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
         slot=0, epoch=0, record=64, buffer=1, counts_at_start=counts[0], counts_at_end=counts[1], taken=3
     )
     progress = train.Progress(step=1, streams={0: position}, blocks=7)
-    train.save_checkpoint(train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, progress, filler={}))
+    checkpointer = train.Checkpointer(train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, progress, {}))
+    checkpointer.save()  # in the background (async_save), completed by finish()
+    checkpointer.finish()
 
     fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
     fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, world_of_one, total_steps=10)
@@ -269,3 +295,26 @@ def test_random_init_needs_no_weights_and_writes_only_what_is_asked(tiny_model_d
     weight = model.model.layers[0].mlp.up_proj.weight
     assert weight.dtype == torch.float32 and abs(float(weight.detach().std()) - std) < 0.2 * std
     assert torch.allclose(model.model.norm.weight, torch.ones_like(model.model.norm.weight), atol=1e-2)
+
+
+def test_save_every_minutes_saves_by_the_clock_and_each_save_logs(tiny_model_dir, tmp_path):
+    """save_every 0 (only at the end) with save_every_minutes: a save whenever the interval has passed since the
+    last (here a few microseconds, so after every step), each with its log line; keep_checkpoints prunes."""
+    out = tmp_path / "out"
+    job = write_tiny_job(
+        tmp_path / "job.yaml",
+        tiny_model_dir,
+        max_steps=3,
+        num_workers=0,
+        save_every=0,
+        save_every_minutes=1e-7,
+        log_every=10,
+        export=False,
+        output_dir=str(out),
+    )
+    train.train(str(job))
+    assert sorted(losses_by_step(out)) == [1, 2, 3]
+    assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(out)))] == [
+        "step_00000002",
+        "step_00000003",
+    ]

@@ -36,8 +36,8 @@ def test_precedence_parameters_then_config_file_then_flags(tmp_path, monkeypatch
 
 def test_flag_values_are_typed(monkeypatch):
     monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
-    cfg, args = train.parse_args(["--learning_rate", "2e-5", "--compile", "true", "--inspect", "3"])
-    assert cfg.learning_rate == 2e-5 and cfg.compile is True and args.inspect == 3
+    cfg, _ = train.parse_args(["--learning_rate", "2e-5", "--compile", "true", "--model_revision", "1.0"])
+    assert cfg.learning_rate == 2e-5 and cfg.compile is True and cfg.model_revision == "1.0"  # str stays str
 
 
 def test_yaml_exponent_without_dot_is_a_float(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""--inspect: the packed blocks, readable and as JSON lines, from a directory that holds only a tokenizer."""
+"""tools/inspect_data.py: the packed blocks, readable and as JSON lines, from a directory with only a tokenizer."""
 
 import json
 import shutil
@@ -18,10 +18,9 @@ def test_inspect_needs_only_the_tokenizer_and_writes_the_block_signals(tiny_mode
     proc = subprocess.run(
         [
             sys.executable,
-            "train.py",
-            "--inspect",
+            "tools/inspect_data.py",
             "2",
-            "--inspect-out",
+            "--out",
             str(out),
             "--model_name",
             str(tok_dir),

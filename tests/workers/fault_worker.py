@@ -1,12 +1,15 @@
-"""Run by tests/test_faults.py under torchrun: train.train(job) with a fault injected into rank 1.
+"""Run by tests/test_faults.py and tests/test_checkpoint.py under torchrun: train.train(job) with a fault.
 
-    torchrun --nproc_per_node=2 tests/workers/fault_worker.py job.yaml {nan-once,nan-always,raise}
+    torchrun --nproc_per_node=2 tests/workers/fault_worker.py job.yaml {nan-once,nan-always,raise,kill-at-N}
 
 nan-once: rank 1's loss is NaN at the 2nd training step; nan-always: from the 3rd step on;
-raise: rank 1 raises at the 2nd step, while rank 0 goes on into the next collective.
+raise: rank 1 raises at the 2nd step, while rank 0 goes on into the next collective;
+kill-at-N: every rank SIGKILLs itself in step N's hook (after its backward, before the step's end), as a
+preempted node would die, with whatever checkpoint write was in flight.
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +23,8 @@ rank = int(os.environ["RANK"])
 
 def inject(step, model, loss_sum):
     """train()'s step hook: runs after each step's backward, before clipping."""
+    if fault == f"kill-at-{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1 and fault == "raise" and step == 2:
         raise RuntimeError("injected fault on rank 1")
     if rank == 1 and (fault == "nan-once" and step == 2 or fault == "nan-always" and step >= 3):
