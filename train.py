@@ -41,6 +41,7 @@ import os
 import random
 import resource
 import shutil
+import socket
 import sys
 import time
 from collections import Counter
@@ -134,7 +135,7 @@ class Config:
         "outputs/sft", "checkpoints, model/, metrics.jsonl; a run resumes from it", None, resumable=True
     )
     save_every: int = setting(
-        100, "steps between checkpoints; 0: at the end; -1: never", (lambda v: v >= -1, ">= -1"), True
+        100, "steps between checkpoints; 0: at the end; -1: never", (lambda v: v >= -1, ">= -1"), resumable=True
     )
     save_every_minutes: float = setting(
         0.0, "also save when this many minutes have passed since the last save; 0: off", AT_LEAST_0, resumable=True
@@ -244,14 +245,12 @@ class Dist:
 
 def setup_distributed() -> Dist:
     """Reads RANK/LOCAL_RANK/WORLD_SIZE (set by torchrun, or by a notebook's @distributed decorator) and joins
-    the process group: NCCL on GPUs, gloo on CPU. A plain `python train.py` runs as a world of one."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    the process group: NCCL on GPUs, gloo on CPU. Without them (a plain `python train.py`, or train() in a
+    notebook's own process) it is a world of one on a free local port: two such runs at once do not collide, and
+    the port a finished one leaves bound in its process is not the next one's."""
+    launched = "WORLD_SIZE" in os.environ
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -260,8 +259,16 @@ def setup_distributed() -> Dist:
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if backend == "nccl" else None)
+        alone = {} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+        device_id = device if backend == "nccl" else None
+        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device_id, **alone)
     return Dist(rank, local_rank, world_size, device, owns_group)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def print0(rank: int, *args) -> None:
@@ -955,7 +962,11 @@ def to_device(block: dict, device: torch.device) -> dict:
 def peak_memory_gib(device: torch.device) -> float:
     """The GPU's peak allocated memory; on CPU the process's peak resident size (ru_maxrss is in KiB on Linux)."""
     cuda = device.type == "cuda"
-    return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else resource.getrusage(0).ru_maxrss / 2**20
+    return (
+        torch.cuda.max_memory_allocated(device) / 2**30
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
 
 
 def filler_block(pad_id: int) -> dict:
@@ -1006,9 +1017,12 @@ class Progress:
         self.next_slot = (block["position"].slot + 1) % max(1, num_workers)
         self.blocks += 1
 
+    def stream_counts(self) -> Counter:
+        """Conversations read, skipped (by reason) and truncated by this rank's streams so far."""
+        return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter())
+
     def data_seen(self) -> Counter:
-        """Conversations read, skipped (by reason) and truncated by this rank's streams, and blocks trained."""
-        return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter()) + Counter(blocks=self.blocks)
+        return self.stream_counts() + Counter(blocks=self.blocks)
 
     @classmethod
     def from_state(cls, state: dict) -> Progress:  # the inverse of dataclasses.asdict, which a checkpoint stores
@@ -1114,7 +1128,7 @@ class LogWindow:
 
     def flush(self, job: Job, log: MetricsLog) -> float:
         """Logs the window's line, checks the share of skipped records, starts afresh; returns the window's loss."""
-        data = sum((Counter(p.counts_at_end) for p in job.progress.streams.values()), Counter())
+        data = job.progress.stream_counts()
         reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
         skips = torch.tensor(
             [sum(reasons.values()), sum(reasons.values()) + data["conversations"]], device=self.d.device

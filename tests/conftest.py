@@ -23,18 +23,16 @@ def worker_env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
+def run_ok(command: list, env: dict | None = None, timeout=300) -> str:
+    """Runs command in the repo root (environment: worker_env() unless given); fails the test if it fails."""
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or worker_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
 def torchrun(*args, timeout=300, env=None) -> str:
     """Runs args (a script and its arguments) on 2 CPU ranks under torchrun; fails the test if it fails."""
-    proc = subprocess.run(
-        [*TORCHRUN, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=worker_env(**(env or {})),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_ok([*TORCHRUN, *map(str, args)], worker_env(**(env or {})), timeout)
 
 
 def write_tiny_job(path: Path, tiny_model_dir, **settings) -> Path:

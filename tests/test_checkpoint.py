@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, torchrun, worker_env, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, run_ok, torchrun, worker_env, write_tiny_job
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -110,12 +110,6 @@ def kill_all(marker: str) -> int:
     return killed
 
 
-def run(command, env):
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
-
-
 def losses_by_step(out):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}  # a re-run step keeps its last record
@@ -129,7 +123,7 @@ def straight(tiny_model_dir, tmp_path_factory):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(open(SAMPLE).readlines()[:64]))
     command, out = job(tmp_path, tiny_model_dir, "straight", data, log_every=2)
-    run(command, worker_env())
+    run_ok(command)
     return data, out
 
 
@@ -146,7 +140,7 @@ def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny
     victim.wait()
     assert not (killed / "model").exists(), "the run finished before it could be killed"
     first_checkpoint = sorted(killed.glob("checkpoints/step_*"))[0].name
-    assert f"resumed from {killed}/checkpoints/{first_checkpoint}" in run(command, env)
+    assert f"resumed from {killed}/checkpoints/{first_checkpoint}" in run_ok(command, env)
 
     expected = losses_by_step(straight)
     assert losses_by_step(killed) == expected and {2, 3, 4, 6} <= set(expected)
@@ -178,7 +172,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert proc.returncode != 0 and "step 6/" in proc.stdout and "step 7/" not in proc.stdout, proc.stdout[-2000:]
     assert (killed / "checkpoints/step_00000006").is_dir()
     assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(killed)))] == ["step_00000003"]
-    assert f"resumed from {killed}/checkpoints/step_00000003" in run(command, worker_env())
+    assert f"resumed from {killed}/checkpoints/step_00000003" in run_ok(command)
     assert losses_by_step(killed) == losses_by_step(straight)
     a, b = tensors(straight / "model"), tensors(killed / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -229,8 +223,8 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
 def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_path):
     command, out = job(tmp_path, tiny_model_dir, "extend", SAMPLE)
     command = [sys.executable, *command[command.index("train.py") :]]  # one process
-    run([*command, "--max_steps", "3", "--num_workers", "0"], worker_env())
-    output = run([*command, "--max_steps", "5", "--num_workers", "0"], worker_env())
+    run_ok([*command, "--max_steps", "3", "--num_workers", "0"])
+    output = run_ok([*command, "--max_steps", "5", "--num_workers", "0"])
     assert f"resumed from {out}/checkpoints/step_00000003 (step 3 of 3)" in output
     assert sorted(losses_by_step(out)) == [1, 2, 3, 4, 5] and "step 5/5" in output
 

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +28,6 @@ TOP_LEVEL = {
     "command",
 }
 ACCELERATORS = {"GPU_8xB300": 8, "GPU_8xB200": 8, "GPU_8xH100": 8, "GPU_8xH200": 8, "GPU_1xA10": 1, "GPU_1xH100": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_default_job_and_the_multi_node_example_are_shipped():
@@ -141,7 +134,7 @@ def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_pat
         "NODE_RANK": "0",
         "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(train.free_port()),
         "TRAIN_ARGS": f"--config {tiny_override(tmp_path, tiny_model_dir)}",
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -196,7 +189,7 @@ def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_
     function there: no torchrun."""
     config = yaml.safe_load(tiny_override(tmp_path, tiny_model_dir).read_text())
     call = "import json, sys, train; print('RESULT', json.dumps(train.train(json.loads(sys.argv[1]))))"
-    port = str(free_port())
+    port = str(train.free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", call, json.dumps(config)],

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -244,3 +245,23 @@ def test_an_exception_on_one_rank_ends_every_rank_without_hanging(tiny_model_dir
     rc, output, seconds = faulty_run(tmp_path, tiny_model_dir, "raise", timeout=120)
     assert rc != 0 and "injected fault on rank 1" in output
     assert seconds < 90
+
+
+def test_runs_without_a_launcher_each_take_a_free_port(tiny_model_dir, tmp_path, monkeypatch):
+    """A world of one (python train.py, train() in a notebook's process) set MASTER_PORT=29500 in its environment
+    and left the port bound in its process: a run started beside it failed with EADDRINUSE (seen in this suite).
+    Now each takes a free port, and the environment is left as it was."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for n in range(2):
+        job = write_tiny_job(
+            tmp_path / f"job{n}.yaml",
+            tiny_model_dir,
+            max_steps=1,
+            num_workers=0,
+            save_every=-1,
+            export=False,
+            output_dir=str(tmp_path / f"out{n}"),
+        )
+        assert train.train(str(job))["steps"] == 1
+    assert "MASTER_PORT" not in os.environ  # nothing leaks into the processes started after it
