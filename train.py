@@ -32,8 +32,10 @@ Launch:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import hashlib
 import itertools
 import json
 import math
@@ -41,8 +43,10 @@ import os
 import random
 import resource
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -62,6 +66,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 # 1. Configuration
 # ------------------------------------------------------------------------------------------------------------
 
+
+class UserError(ValueError):
+    """A problem with the job's settings, data, files or environment, for the user to fix: main() prints it as one
+    line from rank 0 and exits with status 2. Anything else is a bug and keeps its traceback."""
+
+
 ATTENTION_BACKENDS = ("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager")
 
 
@@ -75,7 +85,7 @@ def one_of(*choices) -> tuple:
     return (lambda v: v in choices, f"one of {', '.join(choices)}")
 
 
-AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+AT_LEAST_1, AT_LEAST_0, AT_LEAST_MINUS_1 = ((lambda v, n=n: v >= n, f">= {n}") for n in (1, 0, -1))
 FRACTION, BETA = (lambda v: 0 <= v <= 1, "in [0, 1]"), (lambda v: 0 <= v < 1, "in [0, 1)")
 DTYPES = one_of("bfloat16", "float32")
 
@@ -90,39 +100,29 @@ class Config:
     tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
     trust_remote_code: bool = setting(False, "run Python code a hub repo ships (repos you trust)", resumable=True)
     init: str = setting("pretrained", "pretrained weights, or random (benchmarks)", one_of("pretrained", "random"))
-    attn_implementation: str = setting(
-        "auto", " | ".join(ATTENTION_BACKENDS), one_of(*ATTENTION_BACKENDS), resumable=True
-    )
+    attn_implementation: str = setting("auto", "attention kernel", one_of(*ATTENTION_BACKENDS), resumable=True)
     master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)", DTYPES)
     param_dtype: str = setting("bfloat16", "compute dtype of FSDP's all-gathered parameters", DTYPES, resumable=True)
-    activation_checkpointing: float = setting(
-        1.0, "fraction of decoder layers recomputed in backward", FRACTION, resumable=True
-    )
+    activation_checkpointing: float = setting(1.0, "share of decoder layers recomputed", FRACTION, resumable=True)
     compile: bool = setting(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)", resumable=True)
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
     dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
     messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
-    eval_split: str = setting(
-        "", "held-out data: a split of dataset_name or a local file; empty: no eval", None, resumable=True
-    )
+    eval_split: str = setting("", "held-out split of dataset_name, or a local file; empty: none", resumable=True)
     eval_blocks: int = setting(8, "eval blocks per rank", AT_LEAST_1, resumable=True)
     max_seq_len: int = setting(32768, "tokens per packed block", (lambda v: v >= 16, ">= 16"))
     pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time", AT_LEAST_1)
     num_workers: int = setting(1, "DataLoader worker processes per rank (0: pack in the training process)", AT_LEAST_0)
-    max_skip_fraction: float = setting(
-        0.2, "stop when more of the records than this are skipped", FRACTION, resumable=True
-    )
+    max_skip_fraction: float = setting(0.2, "stop when more records than this are skipped", FRACTION, resumable=True)
     # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
     learning_rate: float = setting(1e-5, "peak learning rate", (lambda v: 0 < v < math.inf, "> 0 and finite"))
     adam_beta1: float = setting(0.9, "AdamW beta1", BETA)
     adam_beta2: float = setting(0.95, "AdamW beta2", BETA)
     weight_decay: float = setting(0.0, "AdamW weight decay", AT_LEAST_0)
     max_grad_norm: float = setting(1.0, "gradient clipping norm", (lambda v: v > 0, "> 0"), resumable=True)
-    max_bad_steps: int = setting(
-        5, "stop after this many steps in a row with a non-finite loss", AT_LEAST_1, resumable=True
-    )
+    max_bad_steps: int = setting(5, "stop after this many non-finite steps in a row", AT_LEAST_1, resumable=True)
     gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step", AT_LEAST_1)
     epochs: int = setting(1, "passes over the data", AT_LEAST_1)
     max_steps: int = setting(0, "> 0: stop after this many steps, no counting pass", AT_LEAST_0, resumable=True)
@@ -131,22 +131,14 @@ class Config:
     min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio", FRACTION)
     loss_chunk_tokens: int = setting(4096, "loss tokens per LM-head chunk", AT_LEAST_1, resumable=True)
     # Output: checkpoints/step_N (sharded, resumable), model/ (the consolidated Hugging Face export), metrics.jsonl
-    output_dir: str = setting(
-        "outputs/sft", "checkpoints, model/, metrics.jsonl; a run resumes from it", None, resumable=True
-    )
-    save_every: int = setting(
-        100, "steps between checkpoints; 0: at the end; -1: never", (lambda v: v >= -1, ">= -1"), resumable=True
-    )
-    save_every_minutes: float = setting(
-        0.0, "also save when this many minutes have passed since the last save; 0: off", AT_LEAST_0, resumable=True
-    )
+    output_dir: str = setting("outputs/sft", "checkpoints, model/, metrics.jsonl; resumed from", resumable=True)
+    save_every: int = setting(100, "steps per checkpoint; 0: at the end; -1: never", AT_LEAST_MINUS_1, resumable=True)
+    save_every_minutes: float = setting(0.0, "also save this long after the last; 0: off", AT_LEAST_0, resumable=True)
     async_save: bool = setting(True, "write checkpoints in the background (host memory holds a copy)", resumable=True)
     keep_checkpoints: int = setting(2, "complete checkpoints kept", AT_LEAST_1, resumable=True)
     export: bool = setting(True, "write output_dir/model, the Hugging Face checkpoint, at the end", resumable=True)
     log_every: int = setting(10, "steps per log line (also logged at every checkpoint)", AT_LEAST_1, resumable=True)
-    eval_every: int = setting(
-        0, "steps between evals; 0: only at the end (with eval_split)", AT_LEAST_0, resumable=True
-    )
+    eval_every: int = setting(0, "steps per eval; 0: only at the end (with eval_split)", AT_LEAST_0, resumable=True)
     seed: int = setting(0, "data order and initialisation")
 
     def __post_init__(self):
@@ -154,7 +146,7 @@ class Config:
             value = typed(f, getattr(self, f.name), "Config")
             object.__setattr__(self, f.name, value)  # frozen: the only writes are here
             if f.metadata["check"] and not f.metadata["check"][0](value):
-                raise ValueError(f"bad configuration: {f.name} must be {f.metadata['check'][1]}, got {value!r}")
+                raise UserError(f"bad configuration: {f.name} must be {f.metadata['check'][1]}, got {value!r}")
 
 
 def typed(field: dataclasses.Field, value, source: str):
@@ -167,7 +159,7 @@ def typed(field: dataclasses.Field, value, source: str):
         except ValueError:
             pass
     if type(value) is not want:
-        raise ValueError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
+        raise UserError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
     return value
 
 
@@ -181,7 +173,7 @@ def load_config(*sources: tuple[str, dict]) -> Config:
             if key not in fields:
                 near = difflib.get_close_matches(key, fields, n=1)
                 hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(fields)}"
-                raise ValueError(f"unknown configuration key {key!r} (from {source}); {hint}")
+                raise UserError(f"unknown configuration key {key!r} (from {source}); {hint}")
             values[key] = typed(fields[key], value, source)
     return Config(**values)
 
@@ -189,7 +181,7 @@ def load_config(*sources: tuple[str, dict]) -> Config:
 def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
+        raise UserError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
     return f"{name} {path}", data
 
 
@@ -202,7 +194,8 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
     group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
     for f in dataclasses.fields(Config):
         resume = "; may change on resume" if f.metadata["resumable"] else ""
-        doc = f"{f.metadata['doc']} (default: {f.default!r}{resume})".replace("%", "%%")
+        need = f"; {f.metadata['check'][1]}" if f.metadata["check"] else ""
+        doc = f"{f.metadata['doc']} (default: {f.default!r}{need}{resume})".replace("%", "%%")
         parse = str if isinstance(f.default, str) else yaml.safe_load
         kind = type(f.default).__name__.upper()
         group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
@@ -210,7 +203,7 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
     if unknown:
         if unknown[0].startswith("--"):  # an unknown key: load_config raises, naming the nearest valid one
             load_config(("command line", {unknown[0][2:].partition("=")[0]: None}))
-        raise ValueError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
+        raise UserError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
     params = os.environ.get("HYPERPARAMETERS_PATH")  # a Databricks workload's parameters: block
     sources = [yaml_source(params, "HYPERPARAMETERS_PATH")] if params else []
     sources += [yaml_source(args.config, "--config")] if args.config else []
@@ -262,7 +255,23 @@ def setup_distributed() -> Dist:
         alone = {} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
         device_id = device if backend == "nccl" else None
         dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device_id, **alone)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
+        exit_with_launcher()
     return Dist(rank, local_rank, world_size, device, owns_group)
+
+
+def exit_with_launcher() -> None:
+    """torchrun starts its workers in sessions of their own: if torchrun alone is killed (SIGKILL), they would
+    train on, writing the checkpoints a restart reads. A thread watches for the launcher's death and exits."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(1)
+        print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def free_port() -> int:
@@ -271,9 +280,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def print0(rank: int, *args) -> None:
+def print0(rank: int, *args, file=None) -> None:
     if rank == 0:
-        print(*args, flush=True)
+        print(*args, file=file, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -295,12 +304,14 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for index, line in enumerate(f):
-                if index < start or index % num_shards != shard:
+                if index < start or index % num_shards != shard or not line.strip():  # blank lines are no records
                     continue
                 try:
                     yield index, json.loads(line.decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     skips["unreadable line"] += 1
+                    if skips["unreadable line"] <= 3:  # the first few of each shard, by line number
+                        print(f"warning: {source} line {index + 1} is not UTF-8 JSON: skipped", flush=True)
         return
     from datasets import load_dataset  # imported here: a .jsonl file does not need it
 
@@ -323,15 +334,15 @@ def check_data(cfg: Config, split: str) -> None:
     file that is not JSON lines, records without the conversation column."""
     source, split = data_source(cfg, split)
     if Path(source).suffix and not Path(source).is_file():
-        raise FileNotFoundError(f"data file {source} does not exist")
+        raise UserError(f"data file {source} does not exist")
     counts = Counter()
     first = [r for _, r in itertools.islice(read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts), 64)]
     if not first:
         problem = "has no readable line: is it JSON lines?" if counts else "is empty"
-        raise ValueError(f"dataset {source} [{split}] {problem}")
+        raise UserError(f"dataset {source} [{split}] {problem}")
     if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
         columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
-        raise ValueError(
+        raise UserError(
             f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; "
             f"its columns are {columns}: set messages_column to the one holding the conversations"
         )
@@ -374,7 +385,7 @@ class AssistantMasker:
 
     def __init__(self, tokenizer):
         if not tokenizer.chat_template:
-            raise ValueError("the tokenizer has no chat_template; set tokenizer_name to one that has")
+            raise UserError("the tokenizer has no chat_template; set tokenizer_name to one that has")
         self.tok = tokenizer
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
 
@@ -546,9 +557,11 @@ class PackedBlocks(IterableDataset):
         counts = Counter(at.counts_at_start)
         for epoch in range(at.epoch, self.epochs):
             first, n_buffer, skip = (at.record, at.buffer, at.taken) if epoch == at.epoch else (0, 0, 0)
-            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, counts)
+            # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
+            tally = counts if epoch == 0 else Counter()
+            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, tally)
             buffer, buffered, start_counts = [], 0, dict(counts)
-            for index, ids, mask in tokenize_stream(records, masker, cfg, counts):
+            for index, ids, mask in tokenize_stream(records, masker, cfg, tally):
                 buffer.append((ids, mask))
                 buffered += len(ids)
                 if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
@@ -558,6 +571,9 @@ class PackedBlocks(IterableDataset):
                     start_counts = dict(counts)
             where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
             yield from self._pack(buffer, pad_id, shard, where, skip)
+        # The stream's end: an item without a block that carries its final counts (a rank whose records all were
+        # skipped makes no block, yet its counts must reach the totals). Resumed from, it starts past the last epoch.
+        yield {"position": StreamPosition(slot, self.epochs, 0, 0, dict(counts), dict(counts))}
 
     def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int):
         bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
@@ -571,22 +587,36 @@ def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int,
     blocks = PackedBlocks(cfg, tokenizer, split, rank, world_size, epochs, resume)
     # Workers pack while the GPU trains. Each worker is its own shard: the DataLoader takes blocks from the
     # workers in turn and goes on with the others when one runs out.
-    extra = {"prefetch_factor": 4, "persistent_workers": False} if cfg.num_workers else {}
+    extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
+    extra = extra if cfg.num_workers else {}
     return DataLoader(
         blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(), **extra
     )
+
+
+COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
+
+
+def leave_process_group(worker_id: int) -> None:
+    """A DataLoader worker leaves its training process's process group: torchrun sends SIGTERM to the group, and it
+    is for the training process to handle (it finishes the step and saves; its workers then go down with it)."""
+    os.setpgrp()
 
 
 def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
     the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
     per-rank block count and the packing statistics summed over ranks."""
-    blocks, tokens, loss_tokens, counts = 0, 0, 0, {}
-    for block in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
-        blocks += 1
-        tokens += block["tokens"]
-        loss_tokens += block["loss_tokens"]
-        counts[block["position"].slot] = block["position"].counts_at_end
+    blocks, tokens, loss_tokens, counts, shown = 0, 0, 0, {}, time.monotonic()
+
+    for item in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
+        counts[item["position"].slot] = item["position"].counts_at_end
+        if "input_ids" not in item:  # a stream's end
+            continue
+        blocks, tokens, loss_tokens = blocks + 1, tokens + item["tokens"], loss_tokens + item["loss_tokens"]
+        if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
+            shown = time.monotonic()
+            print0(d.rank, f"counting: {blocks:,} blocks so far on rank 0, {item['position'].record:,} records in")
     totals = [None] * d.world_size
     dist.all_gather_object(totals, (blocks, tokens, loss_tokens, sum(map(Counter, counts.values()), Counter())))
     blocks_per_rank = [t[0] for t in totals]
@@ -615,14 +645,14 @@ def step_count(cfg: Config, tokenizer, d: Dist, meta: dict | None) -> tuple[int,
     max_blocks, stats = count_blocks(cfg, tokenizer, d)
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
     if max_blocks == 0:
-        raise ValueError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
+        raise UserError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
     check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
     return math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps), stats
 
 
 def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
     if records and skipped / records > cfg.max_skip_fraction:
-        raise ValueError(
+        raise UserError(
             f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
             f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
         )
@@ -642,11 +672,12 @@ def from_hub(load, name: str):
     except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
         cause = e if isinstance(e, (GatedRepoError, RepositoryNotFoundError)) else e.__cause__
         if isinstance(cause, (GatedRepoError, RepositoryNotFoundError)) and not os.environ.get("HF_TOKEN"):
-            raise RuntimeError(
+            raise UserError(
                 f"{name} is gated or private and HF_TOKEN is not set: accept its license on the hub, "
                 "then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
             ) from e
-        raise
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"cannot load {name}: {first_line} (a local directory, or the hub name and network?)") from e
 
 
 def load_tokenizer(cfg: Config):
@@ -692,13 +723,13 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
     if requested == "flash_attention_2" and not has_flash_attn:
-        raise RuntimeError(
+        raise UserError(
             "attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
             "--no-build-isolation, or use torch_varlen (CUDA) / sdpa"
         )
     if requested == "torch_varlen":
         if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
-            raise RuntimeError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
+            raise UserError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
         from transformers import AttentionInterface
 
         AttentionInterface.register("torch_varlen", torch_varlen_attention)
@@ -716,20 +747,16 @@ def require_kernels(config) -> None:
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
     missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
     if missing:
-        raise RuntimeError(
+        raise UserError(
             f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
             "pip install flash-linear-attention, and build causal-conv1d against your torch "
             "(bash scripts/setup_node.sh does both)"
         )
     if fla_refuses_hopper_backward():
-        import triton
-
-        raise RuntimeError(
-            f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
-            f"{triton.__version__} (Triton >= 3.4, < 3.7.1 computes its gradients wrongly there, fla issue #640), "
-            "and has no TileLang backend to use instead: install tilelang (pip install tilelang==0.1.15; "
-            "bash scripts/setup_node.sh does) and make nvcc findable (CUDA_HOME or PATH), or use torch >= 2.12.1, "
-            "which ships Triton 3.7.1"
+        raise UserError(
+            "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4, "
+            "< 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead: "
+            "pip install tilelang==0.1.15 (scripts/setup_node.sh does) and put nvcc on PATH, or use torch >= 2.12.1"
         )
 
 
@@ -758,7 +785,7 @@ def pretrained_dir(cfg: Config) -> Path:
         download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
         path = Path(from_hub(download, cfg.model_name))
     if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
-        raise ValueError(
+        raise UserError(
             f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
             "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
         )
@@ -777,12 +804,6 @@ def model_config(name: str | Path, revision: str = "", trust_remote_code: bool =
     config.use_cache = False
     config.get_text_config().use_cache = False
     return config
-
-
-def check_block_length(cfg: Config, config) -> None:
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_seq_len > limit:
-        raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
 
 
 def build_model(config, cfg: Config, attn: str, device: torch.device):
@@ -874,7 +895,7 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
     tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
     missing = [k for k in state if k not in source_dtypes and k != tied_head]
     if missing:
-        raise ValueError(f"{len(missing)} model tensors are not in the checkpoint at {path}, e.g. {missing[:3]}")
+        raise UserError(f"{len(missing)} model tensors are not in the checkpoint at {path}, e.g. {missing[:3]}")
     dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
@@ -959,14 +980,8 @@ def to_device(block: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """The GPU's peak allocated memory; on CPU the process's peak resident size (ru_maxrss is in KiB on Linux)."""
-    cuda = device.type == "cuda"
-    return (
-        torch.cuda.max_memory_allocated(device) / 2**30
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    )
+def rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak; KiB on Linux
 
 
 def filler_block(pad_id: int) -> dict:
@@ -975,17 +990,20 @@ def filler_block(pad_id: int) -> dict:
     return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
 
 
+STOP = threading.Event()  # set by SIGTERM; the ranks agree on it in the next step's global_counts
+
+
 def global_counts(blocks: list[dict], d: Dist) -> dict:
-    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
-    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
-    be known before the first backward."""
+    """Over all ranks: the most blocks any rank has (max_blocks), whether any rank was asked to stop (SIGTERM),
+    and the sums of blocks, loss tokens, non-padding tokens and squared segment lengths. Two small all-reduces
+    per step: the loss normaliser must be known before the first backward."""
     keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
     rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
     local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
-    max_blocks = local[:1].clone()
-    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
+    most = torch.tensor([len(blocks), STOP.is_set()], dtype=torch.float64, device=d.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
     dist.all_reduce(local)
-    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
+    return {"max_blocks": int(most[0]), "stop": bool(most[1]), **{k: int(v) for k, v in zip(keys, local.tolist())}}
 
 
 def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
@@ -1012,22 +1030,24 @@ class Progress:
     bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
     bad_in_a_row: int = 0
 
-    def took(self, block: dict, num_workers: int) -> None:
-        self.streams[block["position"].slot] = block["position"]
-        self.next_slot = (block["position"].slot + 1) % max(1, num_workers)
-        self.blocks += 1
+    def blocks_of(self, items, num_workers: int):
+        """The blocks among a loader's items, each item recorded as taken when the next block is asked for (a
+        stream's end, which has no block, takes its turn in the DataLoader's order too)."""
+        for item in items:
+            self.streams[item["position"].slot] = item["position"]
+            self.next_slot = (item["position"].slot + 1) % max(1, num_workers)
+            if "input_ids" in item:
+                self.blocks += 1
+                yield item
 
     def stream_counts(self) -> Counter:
         """Conversations read, skipped (by reason) and truncated by this rank's streams so far."""
         return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter())
 
-    def data_seen(self) -> Counter:
-        return self.stream_counts() + Counter(blocks=self.blocks)
-
     @classmethod
     def from_state(cls, state: dict) -> Progress:  # the inverse of dataclasses.asdict, which a checkpoint stores
         if "streams" not in state:
-            raise ValueError(
+            raise UserError(
                 "the checkpoint was written by an older train.py (its data positions are a dict): "
                 "resume it with that version, or start afresh in another output_dir"
             )
@@ -1106,38 +1126,55 @@ def attention_flops_per_sq_token(model) -> int:
     return 6 * full * text.num_attention_heads * head_dim
 
 
-class LogWindow:
-    """What the steps since the last log line add up to, over all ranks: the loss is reduced only when a line is
-    written (its .item() is a sync point). Logged at every checkpoint too, so a checkpoint never holds a window."""
+class MetricsLog:
+    """The log: rank 0 prints a fixed-field line per log interval and appends the same record to metrics.jsonl,
+    and, when MLFLOW_RUN_ID (set by Databricks jobs and @distributed) or MLFLOW_TRACKING_URI is set, logs the
+    resolved configuration as params and every number as a metric to that run. Secrets are never in either:
+    the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only).
 
-    def __init__(self, model, cfg: Config, d: Dist):
-        self.cfg, self.d = cfg, d
+    A line sums the steps since the last one over all ranks; the loss is reduced only when a line is written
+    (its .item() is a sync point). A line is written at every checkpoint too, so a checkpoint holds no window."""
+
+    def __init__(self, cfg: Config, d: Dist, model):
+        self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
+        if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
+            import mlflow
+
+            run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
+            params = {k: str(v) for k, v in dataclasses.asdict(cfg).items()}
+            # MLflow params cannot change: a resumed run logs only the ones its run does not have yet.
+            mlflow.log_params({k: v for k, v in params.items() if k not in run.data.params})
+            self.mlflow = mlflow
+        self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
-        self.loss_sum, self.counts, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
+        self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
 
     def add(self, stats: dict) -> None:
+        """A step's counts, from train_step, into the window; a step with nothing to learn was no step."""
+        if "grad_norm" not in stats:
+            return
         if stats["loss_sum"] is not None:  # a skipped step's loss is left out
             self.loss_sum += stats["loss_sum"]
-            self.counts["loss_tokens"] += stats["loss_tokens"]
+            self.window["loss_tokens"] += stats["loss_tokens"]
         flops = 6 * self.n_matmul * stats["tokens"] + self.attn_per_sq * stats["sum_sq_len"]
-        self.counts.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
+        self.window.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
         self.grad_norm = stats["grad_norm"]
 
-    def flush(self, job: Job, log: MetricsLog) -> float:
+    def flush(self, job: Job) -> float:
         """Logs the window's line, checks the share of skipped records, starts afresh; returns the window's loss."""
         data = job.progress.stream_counts()
         reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
-        skips = torch.tensor(
-            [sum(reasons.values()), sum(reasons.values()) + data["conversations"]], device=self.d.device
-        )
+        skipped = sum(reasons.values())
+        skips = torch.tensor([skipped, skipped + data["conversations"]], device=self.d.device)
         dist.all_reduce(skips)
         dist.all_reduce(self.loss_sum)
-        now, c, step = time.perf_counter(), self.counts, job.progress.step
-        seconds, ranks, capacity = now - self.since, self.d.world_size, c["blocks"] * self.cfg.max_seq_len
-        record = {
+        now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
+        seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
+        cuda = self.d.device.type == "cuda"  # memory: the GPU's peak allocated; on CPU the peak RSS (KiB on Linux)
+        r = {
             "step": step,
             "total_steps": job.total_steps,
             "loss": self.loss_sum.item() / max(c["loss_tokens"], 1),
@@ -1148,40 +1185,28 @@ class LogWindow:
             "non_padding_fraction": c["tokens"] / capacity,
             "loss_token_fraction": c["loss_tokens"] / capacity,
             "mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None,
-            "memory_gib": peak_memory_gib(self.d.device),
+            "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib(),
             "eta_s": (job.total_steps - step) * seconds / c["steps"],
             "skipped_records": int(skips[0]),
             "bad_steps": job.progress.bad_steps,
             "elapsed_s": now - self.start,
             "time": time.time(),
         }
-        log.step_line(record)
+        mfu, unit = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device
+        print0(
+            self.d.rank,
+            f"step {step}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} "
+            f"| {r['tokens_per_s_per_gpu']:,.0f} tok/s/{unit} | {r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{unit}"
+            f" | mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {timedelta(seconds=int(r['eta_s']))}",
+        )
+        self.write(r)
         check_skips(int(skips[0]), int(skips[1]), {"on this rank": reasons}, self.cfg)
-        self.since, self.counts = now, Counter()
+        self.since, self.window = now, Counter()
         self.loss_sum.zero_()
-        return record["loss"]
-
-
-class MetricsLog:
-    """Rank 0 prints one fixed-field line per log interval and appends the same record to metrics.jsonl, and,
-    when MLFLOW_RUN_ID (set by Databricks jobs and @distributed) or MLFLOW_TRACKING_URI is set, logs the
-    resolved configuration as params and every number as a metric to that run. Secrets are never in either:
-    the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only)."""
-
-    def __init__(self, cfg: Config, d: Dist):
-        self.rank, self.mlflow, self.device = d.rank, None, "gpu" if d.device.type == "cuda" else d.device.type
-        if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
-            import mlflow
-
-            run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
-            params = {k: str(v) for k, v in dataclasses.asdict(cfg).items()}
-            # MLflow params cannot change: a resumed run logs only the ones its run does not have yet.
-            mlflow.log_params({k: v for k, v in params.items() if k not in run.data.params})
-            self.mlflow = mlflow
-        self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        return r["loss"]
 
     def write(self, record: dict) -> None:
-        if self.rank != 0:
+        if self.d.rank != 0:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -1196,18 +1221,6 @@ class MetricsLog:
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
-    def step_line(self, r: dict) -> None:
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        eta = str(timedelta(seconds=int(r["eta_s"])))
-        print0(
-            self.rank,
-            f"step {r['step']}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-            f"grad {r['grad_norm']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} tok/s/{self.device} | "
-            f"{r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{self.device} | mfu {mfu} | "
-            f"mem {r['memory_gib']:.1f} GiB | eta {eta}",
-        )
-        self.write(r)
-
     def close(self, status: str) -> None:
         """status: FINISHED, or FAILED when the run ends with an error (a job's run must not read as a success)."""
         if self.mlflow:
@@ -1221,11 +1234,11 @@ class Evaluator:
         self.cfg, self.d, self.filler = cfg, d, filler
         in_process = dataclasses.replace(cfg, num_workers=0)  # a few blocks, read once: no worker needed
         loader = block_loader(in_process, tokenizer, cfg.eval_split, d.rank, d.world_size, epochs=1)
-        self.blocks = list(itertools.islice(loader, cfg.eval_blocks))
+        self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
         self.n_micro, self.loss_tokens = counts["max_blocks"], counts["loss_tokens"]
         if self.loss_tokens == 0:
-            raise ValueError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
+            raise UserError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
 
     @torch.no_grad()
     def __call__(self, model, step: int, log: MetricsLog) -> float:
@@ -1239,51 +1252,80 @@ class Evaluator:
         return loss
 
 
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """While training, SIGTERM asks the loop to save and stop (STOP) instead of ending the process at once. Before,
+    there is nothing to save, and it ends the process as usual."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        STOP.clear()
+
+
+class Interrupted(Exception):
+    """SIGTERM (a scheduler's stop, a preemption notice) reached a rank; raised on every rank once the step in
+    progress is done and its checkpoint complete. main() exits with 128 + SIGTERM, as a process killed by it."""
+
+
 def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None, step_hook=None) -> dict:
     """Steps until total_steps or until every rank's data has run out (a rank that runs out first feeds fillers
     until all have); logs every log_every steps, evaluates every eval_every, saves every save_every and at the
-    end. blocks: this rank's block iterator, started at job.progress."""
+    end. SIGTERM on any rank: every rank finishes its step, saves, and raises Interrupted once the checkpoint is
+    complete. blocks: this rank's block iterator, started at job.progress."""
     cfg, d, progress, total_steps = job.cfg, job.d, job.progress, job.total_steps
-    data = (b for b in blocks)  # a generator: asking an exhausted rank for more blocks is safe however often
+    data = progress.blocks_of(blocks, cfg.num_workers)  # a generator: an exhausted one may be asked again
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
-    saved = progress.step or None  # a resumed run starts at a saved step
-    window, checkpoints = LogWindow(job.model, cfg, d), Checkpointer(job)
+    saved, stopped = progress.step or None, False  # a resumed run starts at a saved step
+    checkpoints = Checkpointer(job)
     job.model.train()
     while progress.step < total_steps:
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
-        for block in step_blocks:
-            progress.took(block, cfg.num_workers)
         stats = train_step(job, step_blocks, step_hook)
         checkpoints.poll()
         if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
             checkpoints.finish()  # the write in flight holds a state from before these steps: keep it
             last = (complete_checkpoints(cfg) or ["none"])[-1]
-            raise RuntimeError(
+            raise UserError(
                 f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step "
                 f"{progress.step}: stopping. The last checkpoint is {last}; lower learning_rate or look at the data"
             )
         if stats["max_blocks"] == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
+        log.add(stats)
+        if stats["stop"]:  # every rank agrees: global_counts reduced it
+            stopped = True
+            print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
+            break
         if stats["loss_tokens"] == 0:
             continue
-        window.add(stats)
         step = progress.step
         save = checkpoints.due(step) and step < total_steps
         if step % cfg.log_every == 0 or step == total_steps or save:
-            result.update(steps=step, final_loss=window.flush(job, log))
+            result.update(steps=step, final_loss=log.flush(job))
         if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
             result["eval_loss"] = evaluator(job.model, step, log)
         if save:
             checkpoints.save()
             saved = step
-    if window.counts["steps"]:  # the data ran out between log lines: log the rest before the final save
-        result.update(steps=progress.step, final_loss=window.flush(job, log))
-    if evaluator:
+    if progress.step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
+        seen = dict(progress.stream_counts())
+        raise UserError(f"no step was trained: the data holds nothing to learn from (rank {d.rank}: {seen})")
+    if log.window["steps"]:  # the data ran out between log lines: log the rest before the final save
+        result.update(steps=progress.step, final_loss=log.flush(job))
+    if evaluator and not stopped:
         result["eval_loss"] = evaluator(job.model, progress.step, log)
     if cfg.save_every >= 0 and progress.step != saved:
         checkpoints.save()
     checkpoints.finish()  # the write in flight finishes and its checkpoint completes
+    if stopped:
+        last = (complete_checkpoints(cfg) or ["none (save_every: -1)"])[-1]
+        raise Interrupted(f"stopped by SIGTERM after step {progress.step}; the newest checkpoint is {last}")
     return {**result, "steps": progress.step}
 
 
@@ -1301,11 +1343,76 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise PermissionError(
+        raise UserError(
             f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
             "to a directory (or Unity Catalog volume path) this job can write"
         ) from e
     return out
+
+
+class RunLock:
+    """output_dir/run.lock, held by rank 0 of the run training into output_dir: its host, pid and start time,
+    refreshed every 30 s. Two runs on one output_dir would write the same checkpoints and log every line twice:
+    a second run refuses at start, naming the holder. A dead holder's lock is taken over: its pid is gone on this
+    host, or it has not been refreshed for 2 minutes (a holder on another host)."""
+
+    REFRESH_S, STALE_S = 30, 120
+
+    def __init__(self, out: Path, d: Dist):
+        self.path, self.d, self.released = out / "run.lock", d, threading.Event()
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        refusal = [self.acquire() if d.rank == 0 else None]
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0]:
+            raise UserError(refusal[0])
+        if d.rank == 0:
+            threading.Thread(target=self.refresh, name="run-lock", daemon=True).start()
+
+    def acquire(self) -> str | None:
+        """Takes the lock, or says who holds it."""
+        try:  # a lock file written halfway (its writer died at once) is no lock
+            holder = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+            pid_gone = holder["host"] == self.me["host"] and not pid_alive(holder["pid"])
+            if not pid_gone and age < self.STALE_S:
+                return (
+                    f"output_dir {self.path.parent} is in use by another run (host {holder['host']}, pid "
+                    f"{holder['pid']}, started {holder['started']}, alive {age:.0f}s ago): use another output_dir, "
+                    f"or remove {self.path} if that run is gone"
+                )
+            print(f"taking over the lock of a run that is gone: {holder}", flush=True)
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            pass
+        tmp = self.path.with_name(f"run.lock.{os.getpid()}")
+        tmp.write_text(json.dumps(self.me))
+        os.replace(tmp, self.path)
+        time.sleep(0.2)  # two runs that took over the same stale lock at once: the later write wins
+        return None if json.loads(self.path.read_text()) == self.me else f"output_dir {self.path.parent} was just taken"
+
+    def refresh(self) -> None:
+        while not self.released.wait(self.REFRESH_S):
+            with contextlib.suppress(OSError):  # a file system hiccup: the next refresh may do
+                os.utime(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.d.rank == 0:
+            self.released.set()
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(self.path.read_text()) == self.me:
+                    self.path.unlink()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
 
 
 def complete_checkpoints(cfg: Config) -> list[Path]:
@@ -1316,8 +1423,48 @@ def complete_checkpoints(cfg: Config) -> list[Path]:
 
 
 def checkpoint_meta(path: Path) -> dict:
-    """A complete checkpoint's complete.json: step, total_steps, world_size, scheduler, config, bytes, seconds."""
+    """A complete checkpoint's complete.json: step, total_steps, world_size, scheduler, config, files (name: size),
+    sha256 (of the small files), bytes, seconds."""
     return json.loads((path / "complete.json").read_text())
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint, checked against its complete.json, or None."""
+    try:
+        meta = checkpoint_meta(path)
+        for name, size in meta["files"].items():
+            if (path / name).stat().st_size != size:
+                return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
+        for name, digest in meta["sha256"].items():
+            if sha256(path / name) != digest:
+                return f"{name} differs from what was written"
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a missing file, an empty or truncated complete.json
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def resume_point(cfg: Config, d: Dist) -> Path | None:
+    """The newest complete checkpoint that passes checkpoint_problem. One that fails is named and set aside
+    (renamed rejected-step_N, kept for a look), and the one before it is tried. Rank 0 decides, for all: ranks
+    must not take different branches on their own views of a (possibly cached, possibly node-local) file system."""
+    chosen = [None]
+    for path in reversed(complete_checkpoints(cfg) if d.rank == 0 else []):
+        problem = checkpoint_problem(path)
+        if not problem:
+            chosen = [path]
+            break
+        path.rename(path.with_name(f"rejected-{path.name}"))
+        print(f"warning: checkpoint {path} is damaged ({problem}): set aside as rejected-{path.name}", flush=True)
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 class Checkpointer:
@@ -1335,23 +1482,21 @@ class Checkpointer:
         self.job, self.pending, self.last = job, None, time.monotonic()
         if job.cfg.async_save:
             self.group = dist.new_group(backend="gloo")
-            self.check_host_memory()
-
-    def check_host_memory(self) -> None:
-        """States what the staging copies hold in host memory, per rank and per node, against the node's memory."""
-        d, ranks = self.job.d, int(os.environ.get("LOCAL_WORLD_SIZE", self.job.d.world_size))
-        local = sum(
-            p.to_local().numel() * p.element_size() * (3 if p.requires_grad else 1) for p in self.job.model.parameters()
-        )
-        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        note = (
-            "" if ranks * local < 0.8 * node else " -- more than 80% of it: expect swapping, or set async_save: false"
-        )
-        print0(
-            d.rank,
-            f"async_save: {local / 2**30:.1f} GiB of host memory per rank for the staged checkpoint, "
-            f"{ranks * local / 2**30:.1f} GiB on this node of {node / 2**30:.0f} GiB{note}",
-        )
+            # The staged copy in host memory, per rank and per node (weights, and AdamW's two moments of the
+            # trained ones), stated against the node's memory.
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size))
+            rank_bytes = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters())
+            node, gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 2**30
+            warn = (
+                " -- over 80% of it: expect swapping, or set async_save: false"
+                if ranks * rank_bytes > 0.8 * node
+                else ""
+            )
+            print0(
+                job.d.rank,
+                f"async_save: {rank_bytes / gib:.1f} GiB of host memory per rank for the staged checkpoint, "
+                f"{ranks * rank_bytes / gib:.1f} GiB on this node of {node / gib:.0f} GiB{warn}",
+            )
 
     def due(self, step: int) -> bool:
         """Whether to save after this step: every save_every steps, or save_every_minutes after the last save (rank
@@ -1422,7 +1567,10 @@ class Checkpointer:
         dist.barrier()  # every rank has written its part
         self.pending = None
         if self.job.d.rank == 0:
-            meta.update(bytes=sum(f.stat().st_size for f in path.iterdir()), seconds=time.perf_counter() - t0)
+            files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
+            # What a resume verifies cheaply: every file's size, and the hash of each small one (.metadata, ranks').
+            small = {name: sha256(path / name) for name, size in files.items() if size < 2**26}
+            meta.update(files=files, sha256=small, bytes=sum(files.values()), seconds=time.perf_counter() - t0)
             (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
             os.replace(path / "complete.json.tmp", path / "complete.json")
             complete = complete_checkpoints(cfg)
@@ -1441,13 +1589,13 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
     """Checks that this configuration can resume the checkpoint at path and returns this rank's Progress, RNG
     states restored. Needs no model, so the data stream can restart while the weights load."""
     if meta["world_size"] != d.world_size:
-        raise ValueError(
+        raise UserError(
             f"{path} was written by {meta['world_size']} ranks; resume with as many, or use another output_dir"
         )
     fixed = fixed_on_resume(meta["config"], cfg)
     if fixed:
         changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
-        raise ValueError(
+        raise UserError(
             f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the "
             "batch and the optimizer of its checkpoint. Restore them, or use another output_dir"
         )
@@ -1542,7 +1690,8 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         config = load_config(("train()", config or {}))
     d = setup_distributed()
     try:
-        return run(config, d, step_hook)
+        with RunLock(check_output_dir(config, d), d):
+            return run(config, d, step_hook)
     finally:
         if d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -1554,26 +1703,22 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     torch.manual_seed(cfg.seed)
     print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
     # Everything that can be checked without the weights is checked first, on every rank.
-    out = check_output_dir(cfg, d)
-    if d.rank == 0:
-        (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     attn = resolve_attention(cfg.attn_implementation, d.device)
     config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
-    check_block_length(cfg, config)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_seq_len > limit:
+        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
     tokenizer = load_tokenizer(cfg)
     for split in [cfg.dataset_split] + ([cfg.eval_split] if cfg.eval_split else []):
         check_data(cfg, split)
-    # Rank 0 decides whether and where to resume, for all: ranks must not take different branches on their own
-    # views of a (possibly cached, possibly node-local) file system.
-    latest = [(complete_checkpoints(cfg) or [None])[-1]]
-    dist.broadcast_object_list(latest, src=0)
-    resume_from = latest[0]
+    resume_from = resume_point(cfg, d)
     meta = checkpoint_meta(resume_from) if resume_from else None
-
+    progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
+    if d.rank == 0:  # the settings of this run, once they are known to be usable
+        (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     total_steps, stats = step_count(cfg, tokenizer, d, meta)
     # The data stream starts now: its worker packs the first buffer while the weights load.
-    progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     blocks = iter(block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress))
     source = pretrained_dir(cfg)
     t0 = time.perf_counter()
@@ -1590,27 +1735,28 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         load_pretrained(model, source, source_dtypes)
     else:
         init_random(model, cfg.seed)
-    layers, rss = model.get_decoder().layers, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    layers = model.get_decoder().layers
     recomputed = sum(getattr(layer, "gradient_checkpointing", False) for layer in layers)
     print0(
         d.rank,
         f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
         f"{len(layers)} decoder layers ({recomputed} recomputed{', norms and MLPs compiled' if cfg.compile else ''}), "
         f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in "
-        f"{time.perf_counter() - t0:.1f}s, peak host memory {rss:.1f} GiB on rank 0\n"
+        f"{time.perf_counter() - t0:.1f}s, peak host memory {rss_gib():.1f} GiB on rank 0\n"
         f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
         f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
         f"transformers {transformers.__version__}",
     )
-    log, status = MetricsLog(cfg, d), "FAILED"
+    log, status = MetricsLog(cfg, d, model), "FAILED"
     try:
         if stats:
             log.write({"step": 0, "packing": stats})
         job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler_block(pad_token_id(tokenizer)))
         evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split else None
-        result = training_loop(job, blocks, log, evaluator, step_hook)
+        with stop_on_sigterm():
+            result = training_loop(job, blocks, log, evaluator, step_hook)
         seen = [None] * d.world_size
-        dist.all_gather_object(seen, progress.data_seen())
+        dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
         summary = dict(sum(seen, Counter()))
         print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
         log.write({"step": result["steps"], "data_seen": summary})
@@ -1618,11 +1764,15 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         status = "FINISHED"
     finally:
         log.close(status)
-    return {**result, "output_dir": str(out), "model_dir": str(export) if export else None}
+    return {**result, "output_dir": cfg.output_dir, "model_dir": str(export) if export else None}
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(parse_args(sys.argv[1:] if argv is None else argv)[0])
+    try:
+        train(parse_args(sys.argv[1:] if argv is None else argv)[0])
+    except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
+        print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
+        sys.exit(2 if isinstance(e, UserError) else 128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

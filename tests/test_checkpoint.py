@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -96,14 +97,14 @@ def job(tmp_path, tiny_model_dir, name, data, log_every=1):
     return [*TORCHRUN, "train.py", "--config", str(config)], out
 
 
-def kill_all(marker: str) -> int:
-    """SIGKILL every process whose command line holds marker (torchrun and its workers, which it starts in
-    sessions of their own), as a preempted node would lose them all at once."""
+def kill_all(marker: str, sig=signal.SIGKILL) -> int:
+    """Sends sig to every process whose command line holds marker (torchrun and its workers, which it starts in
+    sessions of their own), as a preempted node would lose them all at once; signal 0 only counts them."""
     killed = 0
     for proc in os.listdir("/proc"):
         try:
             if proc.isdigit() and marker in open(f"/proc/{proc}/cmdline").read():
-                os.kill(int(proc), signal.SIGKILL)
+                os.kill(int(proc), sig)
                 killed += 1
         except (FileNotFoundError, ProcessLookupError):
             pass
@@ -176,6 +177,54 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert losses_by_step(killed) == losses_by_step(straight)
     a, b = tensors(straight / "model"), tensors(killed / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.distributed
+def test_sigterm_saves_after_the_step_and_the_restart_is_bit_identical(tiny_model_dir, straight, tmp_path):
+    """torchrun forwards a SIGTERM to its workers (and their data workers, which ignore it); the ranks agree to
+    stop at the next step, save, and exit non-zero well within torchrun's 30 s before its SIGKILL."""
+    data, straight = straight
+    command, stopped = job(tmp_path, tiny_model_dir, "stopped", data, log_every=2)
+    faulty = [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(tmp_path / "stopped.yaml"), "sigterm-launcher-at-4"]
+    proc = subprocess.run(faulty, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "SIGTERM: stopping after step " in output, output[-3000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+); the newest checkpoint is", output)[1])
+    assert step in (4, 5) and not (stopped / "model").exists()
+    assert (stopped / f"checkpoints/step_{step:08d}/complete.json").exists()
+    assert f"resumed from {stopped}/checkpoints/step_{step:08d}" in run_ok(command)
+    # The stop logs its step early, so the log windows after it differ; the losses before it and the weights do not.
+    expected = losses_by_step(straight)
+    assert {k: v for k, v in losses_by_step(stopped).items() if k <= step and k in expected} == {
+        k: v for k, v in expected.items() if k <= step
+    }
+    a, b = tensors(straight / "model"), tensors(stopped / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_main_exits_128_plus_sigterm_when_interrupted(monkeypatch, tmp_path):
+    def interrupted(cfg, d, step_hook=None):
+        raise train.Interrupted("stopped by SIGTERM after step 3; the newest checkpoint is step_00000003")
+
+    monkeypatch.setattr(train, "run", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--output_dir", str(tmp_path)])
+    assert stop.value.code == 128 + signal.SIGTERM
+
+
+@pytest.mark.distributed
+def test_workers_exit_when_their_launcher_is_killed(tiny_model_dir, tmp_path):
+    config = write_tiny_job(tmp_path / "orphans.yaml", tiny_model_dir, max_steps=40, save_every=-1, export=False)
+    faulty = [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(config), "kill-launcher-at-2"]
+    launcher = subprocess.Popen(faulty, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    launcher.wait(timeout=120)
+    killed_at = time.time()
+    while kill_all(str(config), 0) and time.time() < killed_at + 30:  # signal 0: are they there?
+        time.sleep(0.2)
+    gone_after = time.time() - killed_at
+    output = launcher.stdout.read().decode()
+    assert launcher.returncode == -signal.SIGKILL and gone_after < 5, output[-2000:]
+    assert output.count("the launcher (pid ") == 2 and "step 40/" not in output  # each rank saw it, and stopped
 
 
 def test_interrupted_saves_are_never_resumed_from(tmp_path):

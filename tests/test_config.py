@@ -129,5 +129,6 @@ def test_help_lists_every_setting_from_its_field(flag):
     text = " ".join(proc.stdout.split())  # argparse wraps the help to the terminal's width
     for f in dataclasses.fields(train.Config):
         assert f"--{f.name} {type(f.default).__name__.upper()} {f.metadata['doc']}" in text, f.name
-    assert "tokens per packed block (default: 32768)" in text
-    assert "steps per log line (also logged at every checkpoint) (default: 10; may change on resume)" in text
+    assert "tokens per packed block (default: 32768; >= 16)" in text  # the check's requirement, from the field
+    assert "steps per log line (also logged at every checkpoint) (default: 10; >= 1; may change on resume)" in text
+    assert "(default: 'auto'; one of auto, flash_attention_2, torch_varlen, sdpa, eager; may change on resume)" in text

@@ -23,10 +23,13 @@ def inspect_blocks(cfg: train.Config, n: int, out_path: str) -> None:
     tokenizer = train.load_tokenizer(cfg)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     blocks = train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, world_size, epochs=1)
-    shown, tokens, loss_tokens = [], 0, 0
+    shown, tokens, loss_tokens, counts = [], 0, 0, {}
     for block in blocks:
         if len(shown) == n:
             break
+        counts = block["position"].counts_at_end
+        if "input_ids" not in block:  # the stream's end
+            continue
         shown.append(block)
         tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
         bounds = block["cu_seqlens"].tolist()
@@ -40,14 +43,12 @@ def inspect_blocks(cfg: train.Config, n: int, out_path: str) -> None:
             print(f"--- segment {s} ({kind}): tokens {a}..{b - 1}, positions 0..{b - a - 1}")
             if kind == "conversation":
                 print(mark_loss_spans(tokenizer, ids, labels))
-    if shown:
-        capacity = len(shown) * cfg.max_seq_len
-        counts = shown[-1]["position"].counts_at_end
-        print(
-            f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
-            f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
-            f"skipped {train.skip_reasons(counts)}"
-        )
+    capacity = max(1, len(shown) * cfg.max_seq_len)
+    print(
+        f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
+        f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
+        f"skipped {train.skip_reasons(counts)}"
+    )
     if out_path:
         keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")
         Path(out_path).write_text("".join(json.dumps({k: b[k].tolist() for k in keys}) + "\n" for b in shown))
@@ -65,8 +66,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("n", type=int, help="blocks to show")
     parser.add_argument("--out", default="", metavar="FILE", help="the blocks' signals as JSON lines")
-    cfg, args = train.parse_args(sys.argv[1:], parser)
-    inspect_blocks(cfg, args.n, args.out)
+    try:
+        cfg, args = train.parse_args(sys.argv[1:], parser)
+        train.check_data(cfg, cfg.dataset_split)  # a missing, empty or wrong-column file: before the tokenizer
+        inspect_blocks(cfg, args.n, args.out)
+    except train.UserError as e:  # as train.py: one line, exit status 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""What an operator meets: one-line errors with exit status 2, counts that survive a rank without blocks, a run
+that trains nothing, a refused resume, damaged checkpoints, two runs on one output_dir."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SAMPLE, TORCHRUN, worker_env, write_tiny_job
+
+import train
+
+GOOD = json.loads(open(SAMPLE).readline())
+
+
+def run(command: list, timeout=180):
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=worker_env())
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def train_py(config, *flags):
+    return [sys.executable, "train.py", "--config", str(config), *map(str, flags)]
+
+
+def small_job(tmp_path, tiny_model_dir, name="job", **settings):
+    settings = {"output_dir": str(tmp_path / "out"), "max_steps": 4, "save_every": 2, "log_every": 1, **settings}
+    return write_tiny_job(tmp_path / f"{name}.yaml", tiny_model_dir, **settings)
+
+
+def test_a_user_error_is_one_line_and_exit_status_2(tiny_model_dir, tmp_path):
+    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir), "--lerning_rate", "1e-4"))
+    assert rc == 2 and "Traceback" not in out + err
+    assert (
+        err.strip()
+        == "error: unknown configuration key 'lerning_rate' (from command line); did you mean 'learning_rate'?"
+    )
+
+    missing = small_job(tmp_path, tiny_model_dir, dataset_name=str(tmp_path / "nowhere.jsonl"))
+    rc, out, err = run(train_py(missing))
+    assert rc == 2 and err.strip() == f"error: data file {tmp_path / 'nowhere.jsonl'} does not exist"
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.distributed
+def test_under_torchrun_a_user_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
+    missing = small_job(tmp_path, tiny_model_dir, dataset_name=str(tmp_path / "nowhere.jsonl"))
+    rc, out, err = run([*TORCHRUN, "train.py", "--config", str(missing)])
+    assert rc != 0
+    assert (out + err).count("does not exist") == 1 and "error: data file" in err
+    assert 'File "' + str(ROOT / "train.py") not in out + err  # no traceback from the ranks
+
+
+def test_a_bug_keeps_its_traceback(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "run", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # main() turns only UserError and Interrupted into one line
+        train.main(["--config", str(small_job(tmp_path, tiny_model_dir)), "--output_dir", str(tmp_path / "o")])
+
+
+def test_inspect_checks_the_data_and_says_what_is_wrong_in_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc, out, err = run([sys.executable, "tools/inspect_data.py", "1", "--dataset_name", str(empty)], timeout=60)
+    assert rc == 2 and err.strip() == f"error: dataset {empty} [train_sft] is empty"
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"conversations": []}\n')
+    rc, out, err = run([sys.executable, "tools/inspect_data.py", "1", "--dataset_name", str(wrong)], timeout=60)
+    assert rc == 2 and "has no column 'messages'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
+    env = worker_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    command = [sys.executable, "tools/inspect_data.py", "1", "--dataset_name", str(SAMPLE)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: cannot load Qwen/Qwen3.8-27B: ")
+
+
+def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_path, capsys):
+    """Rank 1 of 2 holds only an unreadable line: it makes no block, yet its count arrives with the stream's end.
+    Blank lines are no records; an unreadable line is named by its number; a second epoch counts nothing again."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n{not json\n\n\n" + json.dumps(GOOD) + "\n\n")
+    cfg = train.Config(dataset_name=str(data), max_seq_len=4096, pack_buffer_blocks=1)
+    rank_1 = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 1, 2, epochs=2))
+    assert len(rank_1) == 1 and "input_ids" not in rank_1[0]
+    assert rank_1[0]["position"].counts_at_end == {"unreadable line": 1}
+    assert f"warning: {data} line 2 is not UTF-8 JSON: skipped" in capsys.readouterr().out
+    rank_0 = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 0, 2, epochs=2))
+    epochs = [b["position"].epoch for b in rank_0 if "input_ids" in b]
+    assert epochs.count(0) == epochs.count(1) >= 1
+    assert rank_0[-1]["position"].counts_at_end == {"conversations": 2}  # blank lines 3, 4, 6 are no records
+
+    progress = train.Progress()
+    assert list(progress.blocks_of(iter(rank_1), num_workers=0)) == []
+    assert progress.stream_counts() == {"unreadable line": 1} and progress.blocks == 0
+    # Resumed from its end, the stream yields its end again, with the same counts, and no block.
+    again = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 1, 2, epochs=2, resume=progress))
+    assert [b["position"] for b in again] == [rank_1[0]["position"]]
+
+
+def test_the_counting_pass_shows_progress(tokenizer, tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(train, "COUNTING_PROGRESS_S", -1)  # a line per block
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, num_workers=0, pack_buffer_blocks=2)
+        blocks, _ = train.count_blocks(cfg, tokenizer, train.Dist(0, 0, 1, torch.device("cpu"), True))
+    finally:
+        dist.destroy_process_group()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("counting: ")]
+    assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far on rank 0")
+
+
+def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp_path):
+    """max_steps skips the counting pass; 16-token blocks truncate every conversation to its prompt."""
+    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir, max_seq_len=16, max_steps=2)))
+    assert rc == 2 and "error: no step was trained: the data holds nothing to learn from" in err, err[-2000:]
+    assert "'no loss tokens after truncation': " in err and not (tmp_path / "out/checkpoints").exists()
+    assert not (tmp_path / "out/model").exists()
+
+
+def test_a_refused_resume_names_old_and_new_values_and_keeps_config_yaml(tiny_model_dir, tmp_path):
+    job = small_job(tmp_path, tiny_model_dir, max_steps=2, export=False, learning_rate=1e-3)
+    assert run(train_py(job))[0] == 0
+    rc, out, err = run(train_py(job, "--max_steps", "4", "--learning_rate", "2e-3", "--seed", "7"))
+    assert rc == 2 and "(learning_rate: 0.001 -> 0.002, seed: 0 -> 7)" in err, err[-2000:]
+    saved = train.load_config(train.yaml_source(tmp_path / "out/config.yaml", "saved"))
+    assert saved.learning_rate == 1e-3 and saved.seed == 0 and saved.max_steps == 2
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_model_dir, tmp_path_factory):
+    """A finished one-process run with complete checkpoints at steps 2 and 4."""
+    tmp_path = tmp_path_factory.mktemp("two")
+    job = small_job(tmp_path, tiny_model_dir, export=False, param_dtype="float32")
+    rc, out, err = run(train_py(job))
+    assert rc == 0, err[-3000:]
+    return job, tmp_path / "out"
+
+
+def damage(step: str, how: str) -> None:
+    if how == "empty complete.json":
+        (step / "complete.json").write_text("")
+    elif how == "truncated .metadata":
+        data = (step / ".metadata").read_bytes()
+        (step / ".metadata").write_bytes(data[: len(data) // 2])
+    elif how == "truncated shard":
+        shard = max(step.glob("*.distcp"), key=lambda f: f.stat().st_size)
+        os.truncate(shard, shard.stat().st_size - 1)
+    elif how == "changed rank file":
+        data = bytearray((step / "rank_00000.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+        (step / "rank_00000.pt").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "how, problem",
+    [
+        ("empty complete.json", "JSONDecodeError: "),
+        ("truncated .metadata", ".metadata has "),
+        ("truncated shard", ".distcp has "),
+        ("changed rank file", "rank_00000.pt differs from what was written"),
+    ],
+)
+def test_each_kind_of_damage_is_found_by_the_cheap_check(two_checkpoints, tmp_path, how, problem):
+    _, finished = two_checkpoints
+    step = tmp_path / "step_00000004"
+    shutil.copytree(finished / "checkpoints/step_00000004", step)
+    assert train.checkpoint_problem(step) is None
+    damage(step, how)
+    assert problem in train.checkpoint_problem(step)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(two_checkpoints, tmp_path):
+    job, finished = two_checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    damage(out / "checkpoints/step_00000004", "truncated shard")
+    rc, stdout, err = run(train_py(job, "--output_dir", out, "--max_steps", "5"))
+    assert rc == 0, err[-3000:]
+    assert f"warning: checkpoint {out}/checkpoints/step_00000004 is damaged (" in stdout
+    assert f"resumed from {out}/checkpoints/step_00000002 (step 2 of 4)" in stdout
+    assert (out / "checkpoints/rejected-step_00000004").is_dir()  # kept for a look, never resumed from again
+    assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(out)))][-1] == "step_00000005"
+
+
+def test_complete_json_lists_every_file_and_hashes_the_small_ones(two_checkpoints):
+    _, out = two_checkpoints
+    step = out / "checkpoints/step_00000004"
+    meta = train.checkpoint_meta(step)
+    assert set(meta["files"]) == {p.name for p in step.iterdir()} - {"complete.json"}
+    assert {".metadata", "rank_00000.pt"} <= set(meta["sha256"])
+
+
+def lock_file(out, host, pid, age_s=0.0):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.lock").write_text(json.dumps({"host": host, "pid": pid, "started": "2026-11-30 00:00:00"}))
+    os.utime(out / "run.lock", (time.time() - age_s, time.time() - age_s))
+
+
+def test_a_second_run_on_one_output_dir_refuses_naming_the_holder(tiny_model_dir, tmp_path):
+    lock_file(tmp_path / "out", socket.gethostname(), os.getpid())  # held by this live process
+    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir)))
+    assert rc == 2 and f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()}" in err, err
+    assert not (tmp_path / "out/metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "holder, age_s, taken",
+    [("dead pid here", 0, True), ("other host, fresh", 0, False), ("other host, silent 3 min", 180, True)],
+)
+def test_a_dead_holders_lock_is_taken_over(tmp_path, holder, age_s, taken):
+    import torch.distributed as dist
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host, pid = (socket.gethostname(), dead.pid) if holder == "dead pid here" else ("elsewhere", 1)
+    lock_file(tmp_path / "out", host, pid, age_s)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        d = train.Dist(0, 0, 1, torch.device("cpu"), True)
+        if not taken:
+            with pytest.raises(train.UserError, match="is in use by another run \\(host elsewhere, pid 1"):
+                train.RunLock(tmp_path / "out", d)
+            return
+        with train.RunLock(tmp_path / "out", d):
+            assert json.loads((tmp_path / "out/run.lock").read_text())["pid"] == os.getpid()
+        assert not (tmp_path / "out/run.lock").exists()  # released at the end
+    finally:
+        dist.destroy_process_group()
