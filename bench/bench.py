@@ -105,9 +105,25 @@ def cmd_ours(args) -> None:
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
         overrides[key] = yaml.safe_load(value)
-    result = train.train(train.load_config(("bench", config), ("--set", overrides)))
+    hook = free_saved_shards(args.out) if args.free_saved_shards else None
+    result = train.train(train.load_config(("bench", config), ("--set", overrides)), step_hook=hook)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
+
+
+def free_saved_shards(out: str):
+    """BENCH (disk space only): a step hook that deletes the model and optimizer shards of every complete checkpoint,
+    as an upload elsewhere would free them, so that a run can save twice on a disk that holds one checkpoint (the
+    2-GPU machine's 128 GiB and the 8-layer geometry's 69 GB). Those checkpoints can no longer be resumed from."""
+
+    def hook(step, model, loss_sum):
+        if int(os.environ.get("RANK", "0")) == 0:
+            for shard in Path(out).glob("checkpoints/step_*/*.distcp"):
+                if (shard.parent / "complete.json").exists():
+                    shard.unlink()
+                    print(f"bench: deleted {shard} to free disk", flush=True)
+
+    return hook
 
 
 def cmd_seed(args) -> None:
@@ -464,6 +480,7 @@ def main() -> None:
     p.add_argument("--attn", default="torch_varlen")
     p.add_argument("--out", required=True)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe setting (YAML scalar)")
+    p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")

@@ -5,7 +5,9 @@
 #   1. train STEPS steps, saving every SAVE_EVERY steps (default 0: only the final checkpoint), then export model/
 #      unless EXPORT=false; each save logs its size, time and the training stall;
 #   2. unless RESUME=0: drop the page cache, resume from the last checkpoint and train one more step.
-# ASYNC=false makes the saves synchronous (the stall is then the whole save).
+# ASYNC=false makes the saves synchronous (the stall is then the whole save). FREE_SHARDS=1 deletes each complete
+# checkpoint's shards after the next step (bench.py --free-saved-shards), so that a disk holding one checkpoint
+# can take several saves (RESUME=0 then). COPIES: copies of the 200 bench conversations (default 10).
 #
 #   bash bench/checkpoint_cost.sh RESULTS_DIR [NGPU] [LAYERS] [STEPS]
 #
@@ -19,7 +21,7 @@ W=${BENCH_WORK:-/tmp/ckpt}
 A=${BENCH_ASSETS:-.bench-assets}
 mkdir -p "$W" "$R"
 [ -s "$A/tok/tokenizer.json" ] || xz -dc "$A/tokenizer.json.xz" > "$A/tok/tokenizer.json" || exit 1
-python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies 10 || exit 1
+python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies "${COPIES:-10}" || exit 1
 ours() {
   torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
     --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" --data "$W/data.jsonl" \
@@ -27,7 +29,7 @@ ours() {
 }
 df -h "$W" | tail -1
 ours --steps "$STEPS" --set save_every="${SAVE_EVERY:-0}" --set export="${EXPORT:-true}" \
-  --set async_save="${ASYNC:-true}" 2>&1 | tee "$R/save.log"
+  --set async_save="${ASYNC:-true}" ${FREE_SHARDS:+--free-saved-shards} 2>&1 | tee "$R/save.log"
 du -sb "$W"/run/checkpoints/step_* "$W"/run/model 2>/dev/null | tee "$R/sizes.txt"
 ls -l "$W"/run/checkpoints/step_*/ | tee -a "$R/sizes.txt"
 if [ "${RESUME:-1}" = 1 ]; then

@@ -158,7 +158,7 @@ def test_gated_model_without_token_says_to_set_hf_token(monkeypatch):
     def gated():
         raise OSError("You are trying to access a gated repo.") from GatedRepoError("gated", response=response)
 
-    with pytest.raises(RuntimeError, match="is gated or private and HF_TOKEN is not set.*secrets: {HF_TOKEN"):
+    with pytest.raises(train.UserError, match="is gated or private and HF_TOKEN is not set.*secrets: {HF_TOKEN"):
         train.from_hub(gated, "meta-llama/Llama-3.1-8B")
     monkeypatch.setenv("HF_TOKEN", "hf_x")  # with a token the hub's own error stands
     with pytest.raises(train.UserError, match="cannot load meta-llama/Llama-3.1-8B: You are trying to access a gated"):

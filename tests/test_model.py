@@ -94,13 +94,13 @@ def test_hybrid_model_without_kernels_fails_at_start_with_an_install_hint(tmp_pa
     from make_tiny_model import write_tiny_model
 
     path = write_tiny_model(tmp_path / "hybrid", hybrid=True)
-    with pytest.raises(RuntimeError, match="needs flash-linear-attention and causal-conv1d: pip install"):
+    with pytest.raises(train.UserError, match="needs flash-linear-attention and causal-conv1d: pip install"):
         train.require_kernels(train.model_config(path))
 
 
 def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
     assert train.resolve_attention("auto", torch.device("cpu")) == "sdpa"
-    with pytest.raises(RuntimeError, match="torch_varlen needs CUDA"):
+    with pytest.raises(train.UserError, match="torch_varlen needs CUDA"):
         train.resolve_attention("torch_varlen", torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="needs flash-attn"):
+    with pytest.raises(train.UserError, match="needs flash-attn"):
         train.resolve_attention("flash_attention_2", torch.device("cpu"))

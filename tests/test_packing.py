@@ -19,8 +19,9 @@ def packed(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "data.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in conversations + [long] * 3))
     cfg = train.Config(dataset_name=str(path), max_seq_len=2048, pack_buffer_blocks=8)
-    blocks = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank=0, world_size=1, epochs=1))
-    return cfg, blocks, conversations
+    items = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank=0, world_size=1, epochs=1))
+    assert "input_ids" not in items[-1] and items[-1]["position"].counts_at_end == items[-2]["position"].counts_at_end
+    return cfg, items[:-1], conversations  # the blocks; the last item is the stream's end, with its final counts
 
 
 def segments(block):
@@ -109,5 +110,6 @@ def test_disjoint_shards_cover_the_data_once(tokenizer):
     seen = Counter()
     for rank in range(3):
         for blk in train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, 3, epochs=1):
-            seen.update(tuple(blk["input_ids"][0, a:b].tolist()) for a, b in segments(blk))
+            if "input_ids" in blk:  # not the stream's end
+                seen.update(tuple(blk["input_ids"][0, a:b].tolist()) for a, b in segments(blk))
     assert sum(seen.values()) == 200 and max(seen.values()) == 1
