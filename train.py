@@ -48,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -111,6 +112,7 @@ class Config:
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
     messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
     eval_split: str = setting("", "held-out split of dataset_name, or a local file; empty: none", resumable=True)
+    eval_fraction: float = setting(0.0, "share of the records held out (seeded), never trained, for eval", FRACTION)
     eval_blocks: int = setting(8, "eval blocks per rank", AT_LEAST_1, resumable=True)
     max_seq_len: int = setting(32768, "tokens per packed block", (lambda v: v >= 16, ">= 16"))
     pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time", AT_LEAST_1)
@@ -138,7 +140,7 @@ class Config:
     keep_checkpoints: int = setting(2, "complete checkpoints kept", AT_LEAST_1, resumable=True)
     export: bool = setting(True, "write output_dir/model, the Hugging Face checkpoint, at the end", resumable=True)
     log_every: int = setting(10, "steps per log line (also logged at every checkpoint)", AT_LEAST_1, resumable=True)
-    eval_every: int = setting(0, "steps per eval; 0: only at the end (with eval_split)", AT_LEAST_0, resumable=True)
+    eval_every: int = setting(0, "steps per eval; 0: only at the end (with eval data)", AT_LEAST_0, resumable=True)
     seed: int = setting(0, "data order and initialisation")
 
     def __post_init__(self):
@@ -147,6 +149,15 @@ class Config:
             object.__setattr__(self, f.name, value)  # frozen: the only writes are here
             if f.metadata["check"] and not f.metadata["check"][0](value):
                 raise UserError(f"bad configuration: {f.name} must be {f.metadata['check'][1]}, got {value!r}")
+        if self.eval_split and self.eval_fraction:
+            raise UserError("bad configuration: set eval_split or eval_fraction, not both")
+        # A local file has no splits: any split name of it reads the whole file.
+        split_of_a_file = Path(self.dataset_name).suffix and self.eval_split and not Path(self.eval_split).suffix
+        if split_of_a_file or self.eval_split in (self.dataset_split, self.dataset_name):
+            raise UserError(
+                f"bad configuration: eval_split {self.eval_split!r} is the training data: give a held-out "
+                "file or split, or set eval_fraction to hold out a share of the records"
+            )
 
 
 def typed(field: dataclasses.Field, value, source: str):
@@ -324,15 +335,25 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
             yield index, record
 
 
-def data_source(cfg: Config, split: str) -> tuple[str, str]:
-    """(source, split) of a split name of dataset_name, or of a local file given in its place (eval_split)."""
-    return (split, "") if Path(split).suffix else (cfg.dataset_name, split)
+def data_source(cfg: Config, part: str) -> tuple[str, str]:
+    """(source, split) that a part, "train" or "eval", reads: dataset_name's dataset_split; for eval, eval_split
+    (a split of dataset_name, or a local file) or with eval_fraction the training data (its held-out records)."""
+    assert part in ("train", "eval"), part
+    if part == "train" or cfg.eval_fraction:
+        return cfg.dataset_name, cfg.dataset_split
+    return (cfg.eval_split, "") if Path(cfg.eval_split).suffix else (cfg.dataset_name, cfg.eval_split)
 
 
-def check_data(cfg: Config, split: str) -> None:
+def held_out(index: int, cfg: Config) -> bool:
+    """Whether record `index` of the training data is held out for eval (eval_fraction): a seeded hash of its
+    index, so the same records on every rank, in every epoch and after every resume, and never trained."""
+    return zlib.crc32(f"{cfg.seed}/{index}".encode()) < cfg.eval_fraction * 2**32
+
+
+def check_data(cfg: Config, part: str) -> None:
     """Structural problems stop the run here, before any model is loaded: a missing file, an empty dataset, a
     file that is not JSON lines, records without the conversation column."""
-    source, split = data_source(cfg, split)
+    source, split = data_source(cfg, part)
     if Path(source).suffix and not Path(source).is_file():
         raise UserError(f"data file {source} does not exist")
     counts = Counter()
@@ -540,8 +561,8 @@ class PackedBlocks(IterableDataset):
     starting with worker 0, so worker w reads slot (w + next_slot) % workers: the turn order goes on.
     """
 
-    def __init__(self, cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
-        self.cfg, self.tok, self.split = cfg, tokenizer, split
+    def __init__(self, cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
+        self.cfg, self.tok, self.part = cfg, tokenizer, part
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
         self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)
 
@@ -550,7 +571,7 @@ class PackedBlocks(IterableDataset):
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         slot = (worker_id + self.next_slot) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
-        source, split = data_source(cfg, self.split)
+        source, split = data_source(cfg, self.part)
         masker = AssistantMasker(self.tok)
         pad_id = pad_token_id(self.tok)
         at = self.streams.get(slot, StreamPosition(slot, 0, 0, 0, {}, {}))
@@ -560,6 +581,8 @@ class PackedBlocks(IterableDataset):
             # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
             tally = counts if epoch == 0 else Counter()
             records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, tally)
+            if cfg.eval_fraction:  # the held-out records are eval's, the others training's
+                records = ((i, r) for i, r in records if held_out(i, cfg) == (self.part == "eval"))
             buffer, buffered, start_counts = [], 0, dict(counts)
             for index, ids, mask in tokenize_stream(records, masker, cfg, tally):
                 buffer.append((ids, mask))
@@ -583,8 +606,8 @@ class PackedBlocks(IterableDataset):
             yield {**block, "position": dataclasses.replace(where, taken=n)}
 
 
-def block_loader(cfg: Config, tokenizer, split: str, rank: int, world_size: int, epochs: int, resume=None):
-    blocks = PackedBlocks(cfg, tokenizer, split, rank, world_size, epochs, resume)
+def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
+    blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume)
     # Workers pack while the GPU trains. Each worker is its own shard: the DataLoader takes blocks from the
     # workers in turn and goes on with the others when one runs out.
     extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
@@ -609,7 +632,7 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     per-rank block count and the packing statistics summed over ranks."""
     blocks, tokens, loss_tokens, counts, shown = 0, 0, 0, {}, time.monotonic()
 
-    for item in block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, epochs=1):
+    for item in block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1):
         counts[item["position"].slot] = item["position"].counts_at_end
         if "input_ids" not in item:  # a stream's end
             continue
@@ -966,8 +989,15 @@ def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
 
 
 def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
+    """AdamW with warmup and decay. Weight decay applies to the weight matrices only: not to norms, biases, the
+    Gated DeltaNet's A_log and dt_bias (all vectors), nor to the embeddings."""
+    trained, embedding = [p for p in model.parameters() if p.requires_grad], model.get_input_embeddings().weight
+    decays = [p.ndim >= 2 and p is not embedding for p in trained]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        [
+            {"params": [p for p, decay in zip(trained, decays) if decay]},
+            {"params": [p for p, decay in zip(trained, decays) if not decay], "weight_decay": 0.0},
+        ],
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
@@ -1098,10 +1128,11 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
         progress.bad_in_a_row += 1
         step, row = progress.step + 1, f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
         print0(d.rank, f"step {step}: non-finite loss or gradient norm, optimizer step skipped ({row})")
+    lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
     job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     progress.step += 1
-    return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm}
+    return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm, "lr": lr}
 
 
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
@@ -1161,7 +1192,7 @@ class MetricsLog:
             self.window["loss_tokens"] += stats["loss_tokens"]
         flops = 6 * self.n_matmul * stats["tokens"] + self.attn_per_sq * stats["sum_sq_len"]
         self.window.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
-        self.grad_norm = stats["grad_norm"]
+        self.grad_norm, self.lr = stats["grad_norm"], stats["lr"]
 
     def flush(self, job: Job) -> float:
         """Logs the window's line, checks the share of skipped records, starts afresh; returns the window's loss."""
@@ -1178,7 +1209,7 @@ class MetricsLog:
             "step": step,
             "total_steps": job.total_steps,
             "loss": self.loss_sum.item() / max(c["loss_tokens"], 1),
-            "lr": job.scheduler.get_last_lr()[0],
+            "lr": self.lr,  # the last step's
             "grad_norm": self.grad_norm.item(),
             "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks,
             "loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks,
@@ -1233,12 +1264,12 @@ class Evaluator:
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
         self.cfg, self.d, self.filler = cfg, d, filler
         in_process = dataclasses.replace(cfg, num_workers=0)  # a few blocks, read once: no worker needed
-        loader = block_loader(in_process, tokenizer, cfg.eval_split, d.rank, d.world_size, epochs=1)
+        loader = block_loader(in_process, tokenizer, "eval", d.rank, d.world_size, epochs=1)
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
         self.n_micro, self.loss_tokens = counts["max_blocks"], counts["loss_tokens"]
         if self.loss_tokens == 0:
-            raise UserError(f"eval_split {cfg.eval_split!r} yields no loss tokens")
+            raise UserError(f"the eval data ({data_source(cfg, 'eval')}) yields no loss tokens")
 
     @torch.no_grad()
     def __call__(self, model, step: int, log: MetricsLog) -> float:
@@ -1623,6 +1654,28 @@ def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist)
     print0(d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {seconds:.1f}s")
 
 
+# A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
+TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
+chat_template.json vocab.json merges.txt tokenizer.model""".split()
+
+
+def stop_at_end_of_turn(out: Path, tokenizer) -> None:
+    """generation_config.json's eos_token_id gains the tokenizer's eos and the token its chat template ends an
+    assistant turn with, so generate() and servers stop where the fine-tuned model learned to end its answer
+    (Llama 3.1 base weights with the Instruct tokenizer: <|eot_id|>, not only the base's <|end_of_text|>)."""
+    from transformers import GenerationConfig
+
+    path = out / "generation_config.json"
+    config = GenerationConfig.from_pretrained(out) if path.exists() else GenerationConfig()
+    eos = {*(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])}
+    turn = AssistantMasker(tokenizer)([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    if not isinstance(turn, str):  # the last token of an assistant turn's loss span is its end-of-turn token
+        ids, mask = turn
+        eos.add(ids[max(i for i, m in enumerate(mask) if m)])
+    config.eos_token_id = sorted((eos | {tokenizer.eos_token_id}) - {None})
+    config.save_pretrained(out)
+
+
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
     """Writes output_dir/model: a consolidated Hugging Face checkpoint that from_pretrained loads as is.
 
@@ -1660,10 +1713,11 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
             index = json.loads((out / "model.safetensors.index.json").read_text())
             index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for f in source.iterdir():  # config.json, generation_config.json, processor configs, ...
-            if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name:
+        for f in source.iterdir():  # config.json, generation_config.json, processor configs; not the tokenizer's
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in (index_file.name, *TOKENIZER_FILES):
                 shutil.copy(f, out / f.name)
-        tokenizer.save_pretrained(out)
+        tokenizer.save_pretrained(out)  # the tokenizer trained with: its special tokens and chat template
+        stop_at_end_of_turn(out, tokenizer)
         size, seconds = sum(f.stat().st_size for f in out.iterdir()) / 2**30, time.perf_counter() - t0
         print(f"exported {len(state) + len(extra)} tensors, {size:.2f} GiB in {seconds:.1f}s -> {out}", flush=True)
     dist.barrier()
@@ -1710,8 +1764,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     if limit and cfg.max_seq_len > limit:
         raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
     tokenizer = load_tokenizer(cfg)
-    for split in [cfg.dataset_split] + ([cfg.eval_split] if cfg.eval_split else []):
-        check_data(cfg, split)
+    for part in ["train"] + (["eval"] if cfg.eval_split else []):
+        check_data(cfg, part)
     resume_from = resume_point(cfg, d)
     meta = checkpoint_meta(resume_from) if resume_from else None
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
@@ -1719,7 +1773,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     total_steps, stats = step_count(cfg, tokenizer, d, meta)
     # The data stream starts now: its worker packs the first buffer while the weights load.
-    blocks = iter(block_loader(cfg, tokenizer, cfg.dataset_split, d.rank, d.world_size, cfg.epochs, progress))
+    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
     source = pretrained_dir(cfg)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
@@ -1752,7 +1806,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         if stats:
             log.write({"step": 0, "packing": stats})
         job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler_block(pad_token_id(tokenizer)))
-        evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split else None
+        evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split or cfg.eval_fraction else None
         with stop_on_sigterm():
             result = training_loop(job, blocks, log, evaluator, step_hook)
         seen = [None] * d.world_size

@@ -269,6 +269,25 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
     assert state["exp_avg"].dtype == getattr(torch, master)
 
 
+def test_weight_decay_skips_vectors_and_embeddings(world_of_one, tmp_path):
+    from make_tiny_model import write_tiny_model
+
+    source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
+    cfg = train.Config(model_name=str(source), weight_decay=0.1, compile=False)
+    model = train.build_model(train.model_config(source), cfg, "sdpa", world_of_one.device)
+    optimizer, _ = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    names = {id(p): n for n, p in model.named_parameters()}
+    (decayed, decay), (kept, no_decay) = (
+        (sorted(names[id(p)] for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups
+    )
+    assert (decay, no_decay) == (0.1, 0.0)
+    assert all(model.get_parameter(n).ndim >= 2 and "embed_tokens" not in n for n in decayed)
+    assert all(model.get_parameter(n).ndim == 1 or "embed_tokens" in n for n in kept)
+    for kind in ("A_log", "dt_bias", "norm.weight", "embed_tokens.weight"):
+        assert any(n.endswith(kind) for n in kept), kind
+    assert any(n.endswith("q_proj.weight") for n in decayed) and any(n.endswith("in_proj_qkv.weight") for n in decayed)
+
+
 def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_path):
     command, out = job(tmp_path, tiny_model_dir, "extend", SAMPLE)
     command = [sys.executable, *command[command.index("train.py") :]]  # one process
@@ -361,3 +380,46 @@ def test_save_every_minutes_saves_by_the_clock_and_each_save_logs(tiny_model_dir
         "step_00000002",
         "step_00000003",
     ]
+
+
+def test_the_export_of_a_base_model_trained_with_a_chat_tokenizer_stops_at_the_end_of_turn(tiny_model_dir, tmp_path):
+    """Base weights with another (chat) tokenizer, as the Llama example's: the export has the chat tokenizer's
+    files, not the base's, and generate() stops at the template's end-of-turn token, which the model learned."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    base_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base_tok.eos_token, base_tok.chat_template = "<|endoftext|>", None  # a base model's: no turns
+    base_tok.save_pretrained(base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    GenerationConfig(eos_token_id=base_tok.eos_token_id).save_pretrained(base)
+    data = tmp_path / "short.jsonl"
+    with open(data, "w") as f:
+        for i in range(64):
+            answer = {"role": "assistant", "content": "ok"}
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"say ok {i}"}, answer]}) + "\n")
+    job = write_tiny_job(
+        tmp_path / "job.yaml",
+        base,
+        tokenizer_name=str(tiny_model_dir),
+        dataset_name=str(data),
+        max_seq_len=256,
+        epochs=8,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        save_every=-1,
+        output_dir=str(tmp_path / "out"),
+    )
+    assert run_ok([sys.executable, "train.py", "--config", str(job)])
+    out = tmp_path / "out/model"
+    tok = AutoTokenizer.from_pretrained(out)
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    assert end_of_turn in GenerationConfig.from_pretrained(out).eos_token_id
+    conversation = [{"role": "user", "content": "say ok 3"}, {"role": "assistant", "content": "ok"}]
+    text = tok.apply_chat_template(conversation, tokenize=False)
+    prompt = tok(text[: text.rindex("ok<|im_end|>")], add_special_tokens=False, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(out)
+    new = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert new[-1] == end_of_turn and len(new) < 20 and tok.decode(new[:-1]) == "ok", tok.decode(new)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLE, TORCHRUN, fake_cuda_home, worker_env, write_tiny_job
+from conftest import ROOT, TORCHRUN, fake_cuda_home, worker_env, write_tiny_job
 
 import train
 
@@ -96,7 +96,8 @@ def tiny_override(tmp_path, tiny_model_dir, **extra):
         tiny_model_dir,
         tokenizer_name="",
         dataset_split="train",
-        eval_split=str(SAMPLE),
+        eval_split="",  # the example's is a hub split: eval on held-out records of the sample instead
+        eval_fraction=0.1,
         eval_blocks=1,
         max_steps=3,
         save_every=0,

@@ -87,7 +87,7 @@ def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path
         raw_lines=[b"{not json\n", b'{"messages": "\xff\xfe"}\n'],
     )
     cfg = train.Config(dataset_name=str(data), max_seq_len=4096)
-    blocks = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 0, 1, epochs=1))
+    blocks = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1))
     expected = {}
     for _, reason in MALFORMED:
         if reason:

@@ -86,11 +86,11 @@ def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(GOOD) + "\n{not json\n\n\n" + json.dumps(GOOD) + "\n\n")
     cfg = train.Config(dataset_name=str(data), max_seq_len=4096, pack_buffer_blocks=1)
-    rank_1 = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 1, 2, epochs=2))
+    rank_1 = list(train.PackedBlocks(cfg, tokenizer, "train", 1, 2, epochs=2))
     assert len(rank_1) == 1 and "input_ids" not in rank_1[0]
     assert rank_1[0]["position"].counts_at_end == {"unreadable line": 1}
     assert f"warning: {data} line 2 is not UTF-8 JSON: skipped" in capsys.readouterr().out
-    rank_0 = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 0, 2, epochs=2))
+    rank_0 = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 2, epochs=2))
     epochs = [b["position"].epoch for b in rank_0 if "input_ids" in b]
     assert epochs.count(0) == epochs.count(1) >= 1
     assert rank_0[-1]["position"].counts_at_end == {"conversations": 2}  # blank lines 3, 4, 6 are no records
@@ -99,7 +99,7 @@ def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_
     assert list(progress.blocks_of(iter(rank_1), num_workers=0)) == []
     assert progress.stream_counts() == {"unreadable line": 1} and progress.blocks == 0
     # Resumed from its end, the stream yields its end again, with the same counts, and no block.
-    again = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, 1, 2, epochs=2, resume=progress))
+    again = list(train.PackedBlocks(cfg, tokenizer, "train", 1, 2, epochs=2, resume=progress))
     assert [b["position"] for b in again] == [rank_1[0]["position"]]
 
 
@@ -128,6 +128,9 @@ def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp
 def test_a_refused_resume_names_old_and_new_values_and_keeps_config_yaml(tiny_model_dir, tmp_path):
     job = small_job(tmp_path, tiny_model_dir, max_steps=2, export=False, learning_rate=1e-3)
     assert run(train_py(job))[0] == 0
+    logged = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in logged if "lr" in r]  # the lr each step used: warmup from 1/11 of the peak (10 steps)
+    assert lrs == [pytest.approx(1e-3 / 11), pytest.approx(2e-3 / 11)]
     rc, out, err = run(train_py(job, "--max_steps", "4", "--learning_rate", "2e-3", "--seed", "7"))
     assert rc == 2 and "(learning_rate: 0.001 -> 0.002, seed: 0 -> 7)" in err, err[-2000:]
     saved = train.load_config(train.yaml_source(tmp_path / "out/config.yaml", "saved"))

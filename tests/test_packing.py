@@ -19,7 +19,7 @@ def packed(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "data.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in conversations + [long] * 3))
     cfg = train.Config(dataset_name=str(path), max_seq_len=2048, pack_buffer_blocks=8)
-    items = list(train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank=0, world_size=1, epochs=1))
+    items = list(train.PackedBlocks(cfg, tokenizer, "train", rank=0, world_size=1, epochs=1))
     assert "input_ids" not in items[-1] and items[-1]["position"].counts_at_end == items[-2]["position"].counts_at_end
     return cfg, items[:-1], conversations  # the blocks; the last item is the stream's end, with its final counts
 
@@ -109,7 +109,41 @@ def test_disjoint_shards_cover_the_data_once(tokenizer):
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048)
     seen = Counter()
     for rank in range(3):
-        for blk in train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, 3, epochs=1):
+        for blk in train.PackedBlocks(cfg, tokenizer, "train", rank, 3, epochs=1):
             if "input_ids" in blk:  # not the stream's end
                 seen.update(tuple(blk["input_ids"][0, a:b].tolist()) for a, b in segments(blk))
     assert sum(seen.values()) == 200 and max(seen.values()) == 1
+
+
+def test_eval_fraction_holds_out_records_that_are_never_trained(tokenizer):
+    """The held-out records are the same on any number of ranks and are never in a training block."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, eval_fraction=0.1)
+
+    def conversations(part, world_size):
+        seen = Counter()
+        for rank in range(world_size):
+            for blk in train.PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs=1):
+                if "input_ids" in blk:
+                    seen.update(tuple(blk["input_ids"][0, a:b].tolist()) for a, b in segments(blk))
+        return seen
+
+    trained, held_out = conversations("train", 1), conversations("eval", 1)
+    assert not set(trained) & set(held_out)
+    assert sum(trained.values()) + sum(held_out.values()) == 200 and 10 <= sum(held_out.values()) <= 30
+    assert conversations("eval", 2) == held_out and conversations("train", 3) == trained
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"dataset_name": "data.jsonl", "eval_split": "data.jsonl"}, "is the training data"),
+        ({"dataset_name": "data.jsonl", "eval_split": "test"}, "is the training data"),  # a file has no splits
+        ({"eval_split": "train_sft"}, "is the training data"),
+        ({"eval_split": "test_sft", "eval_fraction": 0.1}, "set eval_split or eval_fraction, not both"),
+    ],
+)
+def test_eval_on_the_training_data_is_refused(settings, message):
+    with pytest.raises(train.UserError, match=message):
+        train.Config(**settings)
+    assert train.Config(eval_split="test_sft").eval_split == "test_sft"  # a hub dataset's other split
+    assert train.Config(dataset_name="data.jsonl", eval_split="held_out.jsonl").eval_fraction == 0

@@ -22,7 +22,7 @@ def inspect_blocks(cfg: train.Config, n: int, out_path: str) -> None:
     Needs the tokenizer only: model_name may be a directory that holds nothing else."""
     tokenizer = train.load_tokenizer(cfg)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    blocks = train.PackedBlocks(cfg, tokenizer, cfg.dataset_split, rank, world_size, epochs=1)
+    blocks = train.PackedBlocks(cfg, tokenizer, "train", rank, world_size, epochs=1)
     shown, tokens, loss_tokens, counts = [], 0, 0, {}
     for block in blocks:
         if len(shown) == n:
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--out", default="", metavar="FILE", help="the blocks' signals as JSON lines")
     try:
         cfg, args = train.parse_args(sys.argv[1:], parser)
-        train.check_data(cfg, cfg.dataset_split)  # a missing, empty or wrong-column file: before the tokenizer
+        train.check_data(cfg, "train")  # a missing, empty or wrong-column file: before the tokenizer
         inspect_blocks(cfg, args.n, args.out)
     except train.UserError as e:  # as train.py: one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
