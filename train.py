@@ -111,6 +111,10 @@ class Config:
     dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
     messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
+    tools_column: str = setting("tools", "column holding the tool definitions the chat template is given, if any")
+    reasoning: str = setting(
+        "train", "assistant reasoning: trained with its answer, or dropped", one_of("train", "drop")
+    )
     eval_split: str = setting("", "held-out split of dataset_name, or a local file; empty: none", resumable=True)
     eval_fraction: float = setting(0.0, "share of the records held out (seeded), never trained, for eval", FRACTION)
     eval_blocks: int = setting(8, "eval blocks per rank", AT_LEAST_1, resumable=True)
@@ -388,20 +392,28 @@ def conversation_problem(messages) -> str | None:
 class AssistantMasker:
     """Tokenizes a conversation with its chat template and marks exactly the assistant turns' tokens.
 
-    Method: render the conversation twice, once as is and once with every message's content replaced by a
-    placeholder. The placeholder rendering is the template's skeleton; it tells where each content sits. The
-    real rendering must equal the skeleton with each placeholder replaced by the content (as given, or
-    stripped, as many templates trim); if it does not (the template rewrote a content, for example split off a
-    `</think>` section), the conversation is skipped and counted, never trained on a guessed mask.
-    The loss span of an assistant turn runs from its content's first character through the first special
-    token that follows it (the end-of-turn token: <|im_end|>, <|eot_id|>, ...), tool-call text in between
-    included. The span must start and end on token boundaries.
+    Method: render the conversation twice, once as is and once with every message's content (and reasoning)
+    replaced by a placeholder. The placeholder rendering is the template's skeleton; it tells where each content
+    sits. The real rendering must equal the skeleton with each placeholder replaced by the content (as given, or
+    stripped, as many templates trim); if it does not (the template rewrote a content), the conversation is
+    skipped and counted, never trained on a guessed mask.
+    The loss span of an assistant turn runs from its content's first character (its reasoning's, when the
+    template renders one) through the first special token that follows it (the end-of-turn token: <|im_end|>,
+    <|eot_id|>, ...), tool-call text in between included: what the model generates after the template's
+    generation prompt. A turn that only calls tools (empty content) starts where a content would. The span must
+    start and end on token boundaries.
 
-    The empty think block: Qwen3/3.5 templates put `<think>\n\n</think>\n\n` before the content of the
-    assistant turns after the last user message only, and before the content, so it is outside the span and
-    not trained. That is deliberate: with thinking off the template puts the same text in the prompt, so
-    the model never generates it, and training the model to emit an empty think block would teach it to skip
-    reasoning when thinking is on. Every assistant turn is then trained the same way, wherever it sits.
+    Reasoning (`reasoning_content`, or `<think>...</think>` at the start of a content, for templates that render
+    reasoning_content): trained with its answer, in the text the template renders, which for Qwen3.5 is
+    `<think>\n` (the end of its generation prompt) + reasoning + `\n</think>\n\n` + answer. Qwen3.5 renders the
+    reasoning of the turns after the last user message only; each earlier turn that has one becomes a sample of
+    its own that ends with that turn (see samples()), where its reasoning is rendered as at inference.
+
+    The empty think block: Qwen3/3.5 templates put `<think>\n\n</think>\n\n` before the content of an assistant
+    turn without reasoning after the last user message; it is outside the span and not trained. That is
+    deliberate: with thinking off the template puts the same text in the prompt, so the model never generates
+    it, and training the model to emit an empty think block would teach it to skip reasoning when thinking is
+    on. Every turn without reasoning is then trained the same way, wherever it sits.
     """
 
     def __init__(self, tokenizer):
@@ -409,73 +421,189 @@ class AssistantMasker:
             raise UserError("the tokenizer has no chat_template; set tokenizer_name to one that has")
         self.tok = tokenizer
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
+        self.renders_reasoning = "reasoning_content" in tokenizer.chat_template
 
-    def __call__(self, messages: list[dict]) -> tuple[list[int], list[bool]] | str:
-        """Returns (token ids, loss mask) or the reason the conversation is skipped."""
-        if any(s in m["content"] for m in messages for s in self.special):
+    def samples(self, messages: list[dict], tools: list | None = None) -> list[tuple[list[int], list[bool]]] | str:
+        """The conversation's training samples, [(token ids, loss mask), ...], or the reason it is skipped: one
+        sample, plus one for each assistant turn whose reasoning the full rendering leaves out."""
+        messages = [self.reasoning_apart(m) for m in messages]
+        full = self.render(messages, tools)
+        if isinstance(full, str) or not full[2]:
+            return full if isinstance(full, str) else [full[:2]]
+        dropped, samples = full[2], []
+        for i in [None, *sorted(dropped)]:  # the whole conversation without those turns, then each with its past
+            if i is None:
+                one = self.render(messages, tools, skip=dropped)
+            else:
+                one = self.render(messages[: i + 1], tools, skip=set(range(i)))
+            if isinstance(one, str) or i in one[2]:
+                return one if isinstance(one, str) else "template drops the reasoning of a last turn"
+            samples.append(one[:2])
+        return samples
+
+    def __call__(self, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[bool]] | str:
+        """One rendering of the whole conversation: (token ids, loss mask), or the reason it is skipped."""
+        result = self.render([self.reasoning_apart(m) for m in messages], tools)
+        return result if isinstance(result, str) else result[:2]
+
+    def reasoning_apart(self, m: dict) -> dict:
+        """`<think>...</think>` at the start of an assistant content as reasoning_content, for templates that
+        render reasoning_content (Qwen3.5 splits it off itself, which would change the content it renders)."""
+        content = m["content"]
+        if not self.renders_reasoning or m["role"] != "assistant" or "</think>" not in content:
+            return m
+        reasoning, _, answer = content.partition("</think>")
+        return {**m, "reasoning_content": reasoning.split("<think>")[-1].strip("\n"), "content": answer.lstrip("\n")}
+
+    def render(self, messages: list[dict], tools, skip=()) -> tuple[list[int], list[bool], set] | str:
+        """(token ids, loss mask over the assistant turns not in skip, the turns whose reasoning the template did
+        not render), or the reason the conversation is skipped."""
+        if any(s in m["content"] or s in (m.get("reasoning_content") or "") for m in messages for s in self.special):
             return "special-token text in a content"  # it would be tokenized as real turn markers
-        holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        # An empty content (an assistant turn that only calls tools) keeps no placeholder: templates render the
+        # calls differently after a content (Qwen3.5: a blank line first).
+        slots = []  # (message index, placeholder, its text) in the order a template renders them
+        for i, m in enumerate(messages):
+            if self.renders_reasoning and m["role"] == "assistant" and (m.get("reasoning_content") or "").strip():
+                slots.append((i, f"\ue000r{i}\ue001", m["reasoning_content"]))
+            if m["content"]:
+                slots.append((i, f"\ue000c{i}\ue001", m["content"]))
+        holders = {(i, h[1]): h for i, h, _ in slots}
+        skeleton_messages = [
+            {
+                **m,
+                "content": holders.get((i, "c"), m["content"]),
+                **({"reasoning_content": holders[(i, "r")]} if (i, "r") in holders else {}),
+            }
+            for i, m in enumerate(messages)
+        ]
+        render = partial(self.tok.apply_chat_template, tools=tools, tokenize=False)
         try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
-            text = self.tok.apply_chat_template(messages, tokenize=False)
-            skeleton = self.tok.apply_chat_template(
-                [{**m, "content": h} for m, h in zip(messages, holders)], tokenize=False
-            )
+            text, skeleton = render(messages), render(skeleton_messages)
+            empty = [i for i, m in enumerate(messages) if not m["content"] and i not in skip]
+            call_only = {i: self.call_only_turn(render, messages, i, text) for i in empty}
         except Exception as e:  # jinja2's TemplateError, or whatever the template's own raise_exception gives
             return f"chat template error: {str(e)[:80]}"
-        spans, pos, rest = [], 0, skeleton
-        for m, holder in zip(messages, holders):
+        dropped = {i for i, holder, _ in slots if holder[1] == "r" and holder not in skeleton}
+        if None in call_only.values():
+            return "template renders content-dependently"
+        spans, pos, rest, reasoning_at = [], 0, skeleton, {}
+        for i, holder, value in [slot for slot in slots if slot[0] not in dropped or slot[1][1] == "c"]:
             before, found, rest = rest.partition(holder)
             if not found or not text.startswith(before, pos):
                 return "template renders content-dependently"
             pos += len(before)
             after = rest.split("\ue000", 1)[0]  # skeleton text up to the next placeholder
-            content = next((c for c in (m["content"], m["content"].strip()) if text.startswith(c + after, pos)), None)
-            if content is None:
+            value = next((v for v in (value, value.strip()) if text.startswith(v + after, pos)), None)
+            if value is None:
                 return "template renders content-dependently"
-            if m["role"] == "assistant":
-                eot = min((i for i in (after.find(s) for s in self.special) if i >= 0), default=-1)
+            if holder[1] == "r":
+                reasoning_at[i] = pos  # the span of a turn with rendered reasoning starts with it
+            elif messages[i]["role"] == "assistant" and i not in skip:
+                eot = min((k for k in (after.find(s) for s in self.special) if k >= 0), default=-1)
                 if eot < 0:
                     return "no end-of-turn token after an assistant turn"
                 eot_len = max(len(s) for s in self.special if after.startswith(s, eot))
-                spans.append((pos, pos + len(content) + eot + eot_len))
-            pos += len(content)
+                spans.append((reasoning_at.get(i, pos), pos + len(value) + eot + eot_len))
+            pos += len(value)
         if text[pos:] != rest:
             return "template renders content-dependently"
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans += [(reasoning_at.get(i, start), end) for i, (start, end) in call_only.items()]
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)  # spans: character ranges
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         mask = [any(a <= start and end <= b for a, b in spans) for start, end in offsets]
         starts = {start for start, _ in offsets}
         ends = {end for _, end in offsets}
         if any(a not in starts or b not in ends for a, b in spans):
             return "assistant span not on token boundaries"
-        return ids, mask
+        return ids, mask, dropped
+
+    def call_only_turn(self, render, messages: list[dict], i: int, text: str) -> tuple[int, int] | None:
+        """The loss span of assistant turn i, whose content is empty (it only calls tools): from where a content
+        would start (found by rendering one in its place; the text before it must not change) through the first
+        special token after it, the end of the turn. None if the template renders the turn otherwise."""
+        variant = render([{**m, "content": "\ue000"} if j == i else m for j, m in enumerate(messages)])
+        start = variant.find("\ue000")
+        if messages[i]["role"] != "assistant" or not text.startswith(variant[:start]):
+            return None
+        ends = [text.find(s, start) + len(s) for s in self.special if text.find(s, start) >= 0]
+        return (start, min(ends)) if ends else None
+
+
+def conversation_of(record, cfg: Config) -> tuple[list, list | None] | str:
+    """A record's (messages, tools) in the form chat templates take, or the reason to skip it: content given as
+    parts ([{"type": "text", "text": ...}]) has its texts joined, as the Qwen3.5 and Llama 3.1 templates join
+    them (an image or audio part skips the record); tool definitions and tool-call arguments given as JSON text
+    (OpenAI's form) are parsed."""
+    if not isinstance(record, dict) or cfg.messages_column not in record:
+        return f"missing column {cfg.messages_column!r}"
+    messages, tools = record[cfg.messages_column], record.get(cfg.tools_column)
+    try:
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        if not isinstance(messages, list):
+            return messages, tools  # conversation_problem names it
+        joined = []
+        for m in messages:
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list):
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
+                ):
+                    return "a content part that is not text"
+                m = {**m, "content": "".join(p["text"] for p in parts)}
+            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+                m = {**m, "tool_calls": [parsed_arguments(call) for call in m["tool_calls"]]}
+            if cfg.reasoning == "drop" and isinstance(m, dict) and m.get("role") == "assistant":
+                m = {k: v for k, v in m.items() if k != "reasoning_content"}
+                if isinstance(m.get("content"), str) and "</think>" in m["content"]:
+                    m["content"] = m["content"].partition("</think>")[2].lstrip("\n")
+            joined.append(m)
+    except json.JSONDecodeError:
+        return "tools or tool-call arguments not JSON"
+    return joined, tools
+
+
+def parsed_arguments(call):
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    function = {**function, "arguments": json.loads(function["arguments"])}
+    return {**call, "function": function} if "function" in call else function
+
+
+EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside conversations, not a skip reason
 
 
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
-    """Yields (index, ids, mask) per trainable conversation; counts every skip by reason and every truncation."""
+    """Yields (index, samples) per trainable conversation, samples a list of (ids, mask) (more than one when
+    earlier turns' reasoning needs samples of their own); counts every skip by reason and every truncation."""
     for index, record in records:
-        if not isinstance(record, dict) or cfg.messages_column not in record:
-            counts[f"missing column {cfg.messages_column!r}"] += 1
-            continue
-        messages = record[cfg.messages_column]
-        result = conversation_problem(messages) or masker(messages)
+        result = conversation_of(record, cfg)
+        if not isinstance(result, str):
+            messages, tools = result
+            result = conversation_problem(messages) or masker.samples(messages, tools)
         if isinstance(result, str):
             counts[result] += 1
             continue
-        ids, mask = result
-        if len(ids) > cfg.max_seq_len:
-            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-            counts["truncated"] += 1
-            if not any(mask[1:]):
-                counts["no loss tokens after truncation"] += 1
-                continue
+        samples = []
+        for ids, mask in result:
+            if len(ids) > cfg.max_seq_len:
+                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+                counts["truncated"] += 1
+            if any(mask[1:]):  # a sample may have no trained turn left (truncated; or all its turns had their own)
+                samples.append((ids, mask))
+        if not samples:
+            counts["no loss tokens after truncation"] += 1
+            continue
         counts["conversations"] += 1
-        yield index, ids, mask
+        if len(samples) > 1:
+            counts[EXTRA_SAMPLES] += len(samples) - 1
+        yield index, samples
 
 
 def skip_reasons(counts: dict) -> dict:
     """The skipped records by reason, from a stream's counts (which also hold conversations and truncations)."""
-    return {k: v for k, v in counts.items() if k not in ("conversations", "truncated")}
+    return {k: v for k, v in counts.items() if k not in ("conversations", "truncated", EXTRA_SAMPLES)}
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -584,9 +712,9 @@ class PackedBlocks(IterableDataset):
             if cfg.eval_fraction:  # the held-out records are eval's, the others training's
                 records = ((i, r) for i, r in records if held_out(i, cfg) == (self.part == "eval"))
             buffer, buffered, start_counts = [], 0, dict(counts)
-            for index, ids, mask in tokenize_stream(records, masker, cfg, tally):
-                buffer.append((ids, mask))
-                buffered += len(ids)
+            for index, samples in tokenize_stream(records, masker, cfg, tally):  # a record's samples share a buffer
+                buffer += samples
+                buffered += sum(len(ids) for ids, _ in samples)
                 if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
                     where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
                     yield from self._pack(buffer, pad_id, shard, where, skip)

@@ -28,6 +28,10 @@ MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
     ),
     (
         {"messages": [{"role": "user", "content": ["a", "list"]}, {"role": "assistant", "content": "hi"}]},
+        "a content part that is not text",
+    ),
+    (
+        {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "hi"}]},
         "empty or non-string content",
     ),
     ({"messages": [{"role": "user", "content": "anyone?"}]}, "no assistant turn"),
@@ -55,8 +59,8 @@ MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
                 {"role": "assistant", "content": "18C in Paris."},
             ]
         },
-        "template renders content-dependently",
-    ),  # Qwen3.5 renders an empty tool-call turn differently
+        None,
+    ),  # a turn that only calls a tool: trained (Qwen3.5 renders it without a content's blank line)
     (
         {
             "messages": [

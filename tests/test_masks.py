@@ -1,6 +1,7 @@
 """Loss masks: exactly each assistant turn's tokens in the full rendering, end-of-turn token included."""
 
 import copy
+from collections import Counter
 
 import pytest
 from conftest import ROOT
@@ -87,9 +88,12 @@ def test_the_seed_method_is_wrong_on_qwen3_5_where_ours_is_exact(tokenizer, conv
 
 
 def test_content_the_template_rewrites_is_skipped_not_guessed(tokenizer):
+    rewriting = CHATML.replace("{{ m.content }}", "{{ m.content | replace('2', 'two') }}")
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"}]
-    assert train.AssistantMasker(with_template(tokenizer, QWEN3_5))(messages) == "template renders content-dependently"
-    ids, mask = train.AssistantMasker(with_template(tokenizer, CHATML))(messages)  # ChatML renders it verbatim
+    assert (
+        train.AssistantMasker(with_template(tokenizer, rewriting))(messages) == "template renders content-dependently"
+    )
+    ids, mask = train.AssistantMasker(with_template(tokenizer, CHATML))(messages)  # no reasoning_content: verbatim
     assert loss_runs(tokenizer, ids, mask) == ["<think>add</think>4<|im_end|>"]
 
 
@@ -123,3 +127,108 @@ def test_template_without_end_of_turn_token_is_skipped(tokenizer):
 )
 def test_malformed_conversations_are_named(messages, reason):
     assert train.conversation_problem(messages) == reason
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+@pytest.mark.parametrize("first_content", ["", "Let me look."])
+def test_tool_calls_are_trained_tool_results_and_definitions_are_not(tokenizer, first_content):
+    """Qwen3.5: a turn that only calls a tool (empty content) is rendered without the blank line a content would
+    bring; its call is trained through <|im_end|>, like a call after a content. The tool's result and the tool
+    definitions (rendered into the system prompt) are not trained."""
+    tok = with_template(tokenizer, QWEN3_5)
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": first_content, "tool_calls": [CALL]},
+        {"role": "tool", "content": "18C"},
+        {"role": "assistant", "content": "18C in Paris."},
+    ]
+    ids, mask = train.AssistantMasker(tok)(messages, [WEATHER_TOOL])
+    assert ids == tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=True, return_dict=False)
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    first = f"{first_content}\n\n{call}" if first_content else call
+    assert loss_runs(tok, ids, mask) == [f"{first}<|im_end|>", "18C in Paris.<|im_end|>"]
+    text = tok.decode(ids)
+    assert "The weather in a city" in text and "18C" in tok.decode([t for t, m in zip(ids, mask) if not m])
+
+
+def test_records_in_openai_form_and_content_parts_are_read_as_the_template_takes_them(tokenizer):
+    """Tool definitions and call arguments as JSON text are parsed; text parts are joined; an image part skips."""
+    tok = with_template(tokenizer, QWEN3_5)
+    cfg = train.Config()
+    as_json = {**CALL, "function": {**CALL["function"], "arguments": '{"city": "Paris"}'}}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+            {"role": "assistant", "content": "", "tool_calls": [as_json]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": [{"type": "text", "text": "18C in Paris."}]},
+        ],
+        "tools": '[{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city"}}]',
+    }
+    messages, tools = train.conversation_of(record, cfg)
+    assert messages[0]["content"] == "Weather in Paris?" and messages[3]["content"] == "18C in Paris."
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert tools[0]["function"]["name"] == "get_weather"
+    ids, mask = train.AssistantMasker(tok)(messages, tools)
+    assert len(loss_runs(tok, ids, mask)) == 2
+    image = {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]}
+    assert train.conversation_of({"messages": [image]}, cfg) == "a content part that is not text"
+    assert train.conversation_of({"messages": [], "tools": "{not json"}, cfg) == "tools or tool-call arguments not JSON"
+
+
+def turn(content, reasoning=None):
+    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+
+
+def test_reasoning_is_trained_with_its_answer_as_generated_after_the_prompt(tokenizer):
+    """Qwen3.5's generation prompt ends with `<think>\\n`: the span is what the model generates after it."""
+    tok = with_template(tokenizer, QWEN3_5)
+    question = {"role": "user", "content": "2+2?"}
+    [(ids, mask)] = train.AssistantMasker(tok).samples([question, turn("4", "Two and two make four.")])
+    assert ids == tok.apply_chat_template([question, turn("4", "Two and two make four.")], return_dict=False)
+    assert loss_runs(tok, ids, mask) == ["Two and two make four.\n</think>\n\n4<|im_end|>"]
+    prompt = tok.apply_chat_template([question], add_generation_prompt=True, return_dict=False)
+    assert ids[: len(prompt)] == prompt and mask.index(True) == len(prompt)
+    # The same reasoning written into the content is the same sample.
+    assert train.AssistantMasker(tok).samples([question, turn("<think>\nTwo and two make four.\n</think>\n\n4")]) == [
+        (ids, mask)
+    ]
+
+
+def test_reasoning_of_earlier_turns_gets_a_sample_of_its_own_and_is_trained_once(tokenizer):
+    """Qwen3.5 renders reasoning after the last user turn only. [u1, a1 (r1), u2, a2 (r2)]: the whole conversation
+    trains a2 with r2 (a1, rendered there without r1, is not trained), and [u1, a1] trains a1 with r1."""
+    tok = with_template(tokenizer, QWEN3_5)
+    u1, u2 = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "and 3+3?"}
+    samples = train.AssistantMasker(tok).samples([u1, turn("4", "Two twos."), u2, turn("6", "Two threes.")])
+    assert [loss_runs(tok, ids, mask) for ids, mask in samples] == [
+        ["Two threes.\n</think>\n\n6<|im_end|>"],
+        ["Two twos.\n</think>\n\n4<|im_end|>"],
+    ]
+    assert "Two twos." not in tok.decode(samples[0][0])  # the template drops it there
+    # A turn without reasoning is trained where it is, as before.
+    [(ids, mask)] = train.AssistantMasker(tok).samples([u1, turn("4"), u2, turn("6", "Two threes.")])
+    assert loss_runs(tok, ids, mask) == ["4<|im_end|>", "Two threes.\n</think>\n\n6<|im_end|>"]
+
+
+def test_reasoning_can_be_dropped_and_extra_samples_are_counted(tokenizer):
+    tok = with_template(tokenizer, QWEN3_5)
+    u1, u2 = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "and 3+3?"}
+    record = {"messages": [u1, turn("<think>Two twos.</think>4"), u2, turn("6", "Two threes.")]}
+    counts = Counter()
+    [(_, samples)] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), train.Config(), counts)
+    assert len(samples) == 2 and counts == {"conversations": 1, train.EXTRA_SAMPLES: 1}
+    assert train.skip_reasons(counts) == {}
+    dropped = train.Config(reasoning="drop")
+    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), dropped, Counter())
+    assert loss_runs(tok, ids, mask) == ["4<|im_end|>", "6<|im_end|>"] and "Two" not in tok.decode(ids)

@@ -46,7 +46,8 @@ def inspect_blocks(cfg: train.Config, n: int, out_path: str) -> None:
     capacity = max(1, len(shown) * cfg.max_seq_len)
     print(
         f"=== {len(shown)} blocks: non-padding {tokens / capacity:.1%}, loss tokens {loss_tokens / capacity:.1%}, "
-        f"conversations {counts.get('conversations', 0)}, truncated {counts.get('truncated', 0)}, "
+        f"conversations {counts.get('conversations', 0)} (+{counts.get(train.EXTRA_SAMPLES, 0)} samples for earlier "
+        f"reasoning turns), truncated {counts.get('truncated', 0)}, "
         f"skipped {train.skip_reasons(counts)}"
     )
     if out_path:
