@@ -224,7 +224,8 @@ def test_workers_exit_when_their_launcher_is_killed(tiny_model_dir, tmp_path):
     gone_after = time.time() - killed_at
     output = launcher.stdout.read().decode()
     assert launcher.returncode == -signal.SIGKILL and gone_after < 5, output[-2000:]
-    assert output.count("the launcher (pid ") == 2 and "step 40/" not in output  # each rank saw it, and stopped
+    # A rank sees it and exits; the other sees it too, or first loses its peer in a collective: both stop.
+    assert "the launcher (pid " in output and "step 40/" not in output
 
 
 def test_interrupted_saves_are_never_resumed_from(tmp_path):
