@@ -321,6 +321,11 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     progress = train.Progress(step=1, streams={0: position}, blocks=7)
     checkpointer = train.Checkpointer(train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, progress, {}))
     checkpointer.save()  # in the background (async_save), completed by finish()
+    model(input_ids=ids, labels=ids).loss.backward()  # the weights move on after the first save
+    optimizer.step()
+    progress.step, buffers = 2, dict(checkpointer.buffers)
+    checkpointer.save()  # waits for the first write, then stages into the same host buffers
+    assert buffers and all(checkpointer.buffers[key] is buffer for key, buffer in buffers.items())
     checkpointer.finish()
 
     fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
