@@ -158,8 +158,14 @@ class Config:
         if self.eval_split and self.eval_fraction:
             raise UserError("bad configuration: set eval_split or eval_fraction, not both")
         # A local file has no splits: any split name of it reads the whole file.
-        split_of_a_file = Path(self.dataset_name).suffix and self.eval_split and not Path(self.eval_split).suffix
-        if split_of_a_file or self.eval_split in (self.dataset_split, self.dataset_name):
+        eval_file, data_file = Path(self.eval_split).suffix, Path(self.dataset_name).suffix
+        split_of_a_file = data_file and not eval_file
+        same = (
+            self.eval_split == self.dataset_split
+            or eval_file
+            and Path(self.eval_split).resolve() == Path(self.dataset_name).resolve()
+        )
+        if self.eval_split and (split_of_a_file or same):
             raise UserError(
                 f"bad configuration: eval_split {self.eval_split!r} is the training data: give a held-out "
                 "file or split, or set eval_fraction to hold out a share of the records"
@@ -297,6 +303,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_every_rank(check, d: Dist):
+    """check() on every rank; a UserError on any rank (a file one node lacks, a directory one rank cannot write)
+    is raised on every rank, naming the rank, so that rank 0 says it and no rank waits in a collective."""
+    try:
+        result, error = check(), None
+    except UserError as e:
+        result, error = None, f"{e} (rank {d.rank})" if d.world_size > 1 else str(e)
+    errors = [None] * d.world_size
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)
+    return result
+
+
 def print0(rank: int, *args, file=None) -> None:
     if rank == 0:
         print(*args, file=file, flush=True)
@@ -386,6 +407,8 @@ def conversation_problem(messages) -> str | None:
             return "empty or non-string content"
         if not m["content"].strip() and not m.get("tool_calls"):  # a tool-call turn may have no text
             return "empty or non-string content"
+        if not isinstance(m.get("reasoning_content") or "", str):
+            return "non-string reasoning_content"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None
@@ -460,8 +483,14 @@ class AssistantMasker:
     def render(self, messages: list[dict], tools, skip=()) -> tuple[list[int], list[bool], set] | str:
         """(token ids, loss mask over the assistant turns not in skip, the turns whose reasoning the template did
         not render), or the reason the conversation is skipped."""
-        if any(s in m["content"] or s in (m.get("reasoning_content") or "") for m in messages for s in self.special):
+        texts = [
+            m["content"] + (m.get("reasoning_content") or "") + json.dumps(m.get("tool_calls"), default=str)
+            for m in messages
+        ]
+        if any(s in t for t in texts + [json.dumps(tools, default=str)] for s in self.special):
             return "special-token text in a content"  # it would be tokenized as real turn markers
+        if not self.renders_reasoning and any(m.get("reasoning_content") for m in messages):
+            return "reasoning the template does not render (set reasoning: drop)"
         # An empty content (an assistant turn that only calls tools) keeps no placeholder: templates render the
         # calls differently after a content (Qwen3.5: a blank line first).
         slots = []  # (message index, placeholder, its text) in the order a template renders them
@@ -502,11 +531,10 @@ class AssistantMasker:
             if holder[1] == "r":
                 reasoning_at[i] = pos  # the span of a turn with rendered reasoning starts with it
             elif messages[i]["role"] == "assistant" and i not in skip:
-                eot = min((k for k in (after.find(s) for s in self.special) if k >= 0), default=-1)
-                if eot < 0:
+                end = self.end_of_turn(after)
+                if end is None:
                     return "no end-of-turn token after an assistant turn"
-                eot_len = max(len(s) for s in self.special if after.startswith(s, eot))
-                spans.append((reasoning_at.get(i, pos), pos + len(value) + eot + eot_len))
+                spans.append((reasoning_at.get(i, pos), pos + len(value) + end))
             pos += len(value)
         if text[pos:] != rest:
             return "template renders content-dependently"
@@ -520,16 +548,23 @@ class AssistantMasker:
             return "assistant span not on token boundaries"
         return ids, mask, dropped
 
+    def end_of_turn(self, text: str, start: int = 0) -> int | None:
+        """Where the first special token at or after start ends (the longest one that starts there), or None."""
+        first = min((k for k in (text.find(s, start) for s in self.special) if k >= 0), default=-1)
+        return None if first < 0 else first + max(len(s) for s in self.special if text.startswith(s, first))
+
     def call_only_turn(self, render, messages: list[dict], i: int, text: str) -> tuple[int, int] | None:
         """The loss span of assistant turn i, whose content is empty (it only calls tools): from where a content
         would start (found by rendering one in its place; the text before it must not change) through the first
-        special token after it, the end of the turn. None if the template renders the turn otherwise."""
+        special token after it, the end of the turn, which must hold the calls' names. None if the template
+        renders the turn otherwise (drops a content there, or puts the calls before it)."""
         variant = render([{**m, "content": "\ue000"} if j == i else m for j, m in enumerate(messages)])
-        start = variant.find("\ue000")
-        if messages[i]["role"] != "assistant" or not text.startswith(variant[:start]):
+        start, m = variant.find("\ue000"), messages[i]
+        end = self.end_of_turn(text, start) if start >= 0 and text.startswith(variant[:start]) else None
+        names = [(c.get("function") or c).get("name", "") for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+        if m["role"] != "assistant" or end is None or not all(str(n) in text[start:end] for n in names):
             return None
-        ends = [text.find(s, start) + len(s) for s in self.special if text.find(s, start) >= 0]
-        return (start, min(ends)) if ends else None
+        return start, end
 
 
 def conversation_of(record, cfg: Config) -> tuple[list, list | None] | str:
@@ -555,6 +590,7 @@ def conversation_of(record, cfg: Config) -> tuple[list, list | None] | str:
                 m = {**m, "content": "".join(p["text"] for p in parts)}
             if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
                 m = {**m, "tool_calls": [parsed_arguments(call) for call in m["tool_calls"]]}
+                m["content"] = "" if m.get("content") is None else m["content"]  # OpenAI's form: null
             if cfg.reasoning == "drop" and isinstance(m, dict) and m.get("role") == "assistant":
                 m = {k: v for k, v in m.items() if k != "reasoning_content"}
                 if isinstance(m.get("content"), str) and "</think>" in m["content"]:
@@ -566,10 +602,16 @@ def conversation_of(record, cfg: Config) -> tuple[list, list | None] | str:
 
 
 def parsed_arguments(call):
+    """A tool call's arguments as a mapping: parsed from JSON text; None values dropped (a hub or Parquet
+    dataset gives every call the keys of all of them, None where a call has none)."""
     function = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict):
         return call
-    function = {**function, "arguments": json.loads(function["arguments"])}
+    arguments = function.get("arguments")
+    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if isinstance(arguments, dict):
+        arguments = {k: v for k, v in arguments.items() if v is not None}
+    function = {**function, "arguments": arguments}
     return {**call, "function": function} if "function" in call else function
 
 
@@ -587,13 +629,11 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
         if isinstance(result, str):
             counts[result] += 1
             continue
-        samples = []
-        for ids, mask in result:
-            if len(ids) > cfg.max_seq_len:
-                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-                counts["truncated"] += 1
-            if any(mask[1:]):  # a sample may have no trained turn left (truncated; or all its turns had their own)
-                samples.append((ids, mask))
+        samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
+        if any(len(ids) > cfg.max_seq_len for ids, _ in result):
+            counts["truncated"] += 1
+        # A sample may have no trained turn left: truncated, or all its turns were trained in samples of their own.
+        samples = [(ids, mask) for ids, mask in samples if any(mask[1:])]
         if not samples:
             counts["no loss tokens after truncation"] += 1
             continue
@@ -782,6 +822,7 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
         "conversations": counts["conversations"],
         "non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4),
         "loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4),
+        "extra_samples_for_reasoning": counts[EXTRA_SAMPLES],
         "truncated": counts["truncated"],
         "skipped": sum(skipped.values()),
         "skipped_by_reason": skipped,
@@ -1150,20 +1191,27 @@ def filler_block(pad_id: int) -> dict:
     return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
 
 
-STOP = threading.Event()  # set by SIGTERM; the ranks agree on it in the next step's global_counts
-
-
 def global_counts(blocks: list[dict], d: Dist) -> dict:
-    """Over all ranks: the most blocks any rank has (max_blocks), whether any rank was asked to stop (SIGTERM),
-    and the sums of blocks, loss tokens, non-padding tokens and squared segment lengths. Two small all-reduces
-    per step: the loss normaliser must be known before the first backward."""
+    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
+    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
+    be known before the first backward."""
     keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
     rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
     local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
-    most = torch.tensor([len(blocks), STOP.is_set()], dtype=torch.float64, device=d.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    max_blocks = local[:1].clone()
+    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
     dist.all_reduce(local)
-    return {"max_blocks": int(most[0]), "stop": bool(most[1]), **{k: int(v) for k, v in zip(keys, local.tolist())}}
+    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
+
+
+STOP = threading.Event()  # set by SIGTERM while training
+
+
+def stop_requested(d: Dist) -> bool:
+    """Whether any rank got SIGTERM (it reaches the ranks at different moments): every rank gets the same answer."""
+    stop = torch.tensor(float(STOP.is_set()), device=d.device)
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    return bool(stop)
 
 
 def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
@@ -1314,9 +1362,7 @@ class MetricsLog:
         self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
 
     def add(self, stats: dict) -> None:
-        """A step's counts, from train_step, into the window; a step with nothing to learn was no step."""
-        if "grad_norm" not in stats:
-            return
+        """A step's counts, from train_step, into the window."""
         if stats["loss_sum"] is not None:  # a skipped step's loss is left out
             self.loss_sum += stats["loss_sum"]
             self.window["loss_tokens"] += stats["loss_tokens"]
@@ -1393,7 +1439,9 @@ class Evaluator:
 
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
         self.cfg, self.d, self.filler = cfg, d, filler
-        in_process = dataclasses.replace(cfg, num_workers=0)  # a few blocks, read once: no worker needed
+        # A few blocks, read once: no worker, and a buffer of only those blocks (with eval_fraction, reading the
+        # held-out records for pack_buffer_blocks blocks would mean reading that much more training data).
+        in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)
         loader = block_loader(in_process, tokenizer, "eval", d.rank, d.world_size, epochs=1)
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
@@ -1425,7 +1473,10 @@ def stop_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        late = STOP.is_set()
         STOP.clear()
+    if late:  # during the final eval or save, after the last check: the export is left to the restart
+        raise Interrupted("stopped by SIGTERM after the last step; its checkpoint, if any, is complete")
 
 
 class Interrupted(Exception):
@@ -1445,6 +1496,10 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
     checkpoints = Checkpointer(job)
     job.model.train()
     while progress.step < total_steps:
+        if stop_requested(d):  # before any block of the next step is taken: the checkpoint resumes there
+            stopped = True
+            print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
+            break
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
         stats = train_step(job, step_blocks, step_hook)
         checkpoints.poll()
@@ -1458,13 +1513,9 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
         if stats["max_blocks"] == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
             break
-        log.add(stats)
-        if stats["stop"]:  # every rank agrees: global_counts reduced it
-            stopped = True
-            print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
-            break
         if stats["loss_tokens"] == 0:
             continue
+        log.add(stats)
         step = progress.step
         save = checkpoints.due(step) and step < total_steps
         if step % cfg.log_every == 0 or step == total_steps or save:
@@ -1521,8 +1572,18 @@ class RunLock:
 
     def __init__(self, out: Path, d: Dist):
         self.path, self.d, self.released = out / "run.lock", d, threading.Event()
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        refusal = [self.acquire() if d.rank == 0 else None]
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "run": os.urandom(8).hex(),  # this run's, whatever pid a restarted container gives it
+        }
+        refusal = [None]
+        if d.rank == 0:
+            try:
+                refusal = [self.acquire()]
+            except (OSError, ValueError) as e:  # rank 0 alone failed: every rank must stop, not wait for it
+                refusal = [f"cannot take the lock {self.path}: {e}"]
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0]:
             raise UserError(refusal[0])
@@ -1531,23 +1592,29 @@ class RunLock:
 
     def acquire(self) -> str | None:
         """Takes the lock, or says who holds it."""
-        try:  # a lock file written halfway (its writer died at once) is no lock
-            holder = json.loads(self.path.read_text())
-            age = time.time() - self.path.stat().st_mtime
-            pid_gone = holder["host"] == self.me["host"] and not pid_alive(holder["pid"])
-            if not pid_gone and age < self.STALE_S:
-                return (
-                    f"output_dir {self.path.parent} is in use by another run (host {holder['host']}, pid "
-                    f"{holder['pid']}, started {holder['started']}, alive {age:.0f}s ago): use another output_dir, "
-                    f"or remove {self.path} if that run is gone"
-                )
-            print(f"taking over the lock of a run that is gone: {holder}", flush=True)
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            pass
-        tmp = self.path.with_name(f"run.lock.{os.getpid()}")
-        tmp.write_text(json.dumps(self.me))
-        os.replace(tmp, self.path)
-        time.sleep(0.2)  # two runs that took over the same stale lock at once: the later write wins
+        try:
+            lock = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # of two runs at once, one creates it
+            os.write(lock, json.dumps(self.me).encode())
+            os.close(lock)
+        except FileExistsError:
+            try:  # a lock file written halfway (its writer died at once) is no lock
+                holder = json.loads(self.path.read_text())
+                age = time.time() - self.path.stat().st_mtime
+                here = holder["host"] == self.me["host"]  # our own pid there: a container restarted under its old one
+                pid_gone = here and (holder["pid"] == os.getpid() or not pid_alive(holder["pid"]))
+                if not pid_gone and age < self.STALE_S:
+                    return (
+                        f"output_dir {self.path.parent} is in use by another run (host {holder['host']}, pid "
+                        f"{holder['pid']}, started {holder['started']}, alive {age:.0f}s ago): use another "
+                        f"output_dir, or remove {self.path} if that run is gone"
+                    )
+                print(f"taking over the lock of a run that is gone: {holder}", flush=True)
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                pass
+            tmp = self.path.with_name(f"run.lock.{self.me['run']}")
+            tmp.write_text(json.dumps(self.me))
+            os.replace(tmp, self.path)
+        time.sleep(0.2)  # two runs that took the lock at once (one over the other's half-written file): one stays
         return None if json.loads(self.path.read_text()) == self.me else f"output_dir {self.path.parent} was just taken"
 
     def refresh(self) -> None:
@@ -1598,34 +1665,46 @@ def sha256(path: Path) -> str:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a complete checkpoint, checked against its complete.json, or None."""
+    """What is wrong with a complete checkpoint, checked against its complete.json, or None. (A complete.json
+    written before files and hashes were recorded has nothing to check against.)"""
     try:
         meta = checkpoint_meta(path)
-        for name, size in meta["files"].items():
+        for name, size in meta.get("files", {}).items():
             if (path / name).stat().st_size != size:
                 return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
-        for name, digest in meta["sha256"].items():
+        for name, digest in meta.get("sha256", {}).items():
             if sha256(path / name) != digest:
                 return f"{name} differs from what was written"
-    except (OSError, ValueError, KeyError, TypeError) as e:  # a missing file, an empty or truncated complete.json
+    except (FileNotFoundError, ValueError, AttributeError, TypeError) as e:  # a missing file, a broken complete.json
         return f"{type(e).__name__}: {e}"
     return None
 
 
 def resume_point(cfg: Config, d: Dist) -> Path | None:
     """The newest complete checkpoint that passes checkpoint_problem. One that fails is named and set aside
-    (renamed rejected-step_N, kept for a look), and the one before it is tried. Rank 0 decides, for all: ranks
-    must not take different branches on their own views of a (possibly cached, possibly node-local) file system."""
-    chosen = [None]
-    for path in reversed(complete_checkpoints(cfg) if d.rank == 0 else []):
-        problem = checkpoint_problem(path)
-        if not problem:
-            chosen = [path]
-            break
-        path.rename(path.with_name(f"rejected-{path.name}"))
-        print(f"warning: checkpoint {path} is damaged ({problem}): set aside as rejected-{path.name}", flush=True)
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    (renamed rejected-step_N-<time>, kept for a look), and the one before it is tried; if every one fails, the
+    run stops (started again, it starts afresh). Rank 0 decides, for all: ranks must not take different branches
+    on their own views of a (possibly cached, possibly node-local) file system."""
+    decision = [None, None]  # (checkpoint, or the error every rank raises)
+    if d.rank == 0:
+        try:
+            candidates = complete_checkpoints(cfg)
+            for path in reversed(candidates):
+                problem = checkpoint_problem(path)
+                if not problem:
+                    decision[0] = path
+                    break
+                aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+                path.rename(aside)
+                print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
+            if candidates and not decision[0]:
+                decision[1] = f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again"
+        except OSError as e:  # the file system failed rank 0: every rank must stop, not wait for it
+            decision[1] = f"cannot read the checkpoints in {cfg.output_dir}: {e}"
+    dist.broadcast_object_list(decision, src=0)
+    if decision[1]:
+        raise UserError(decision[1])
+    return decision[0]
 
 
 class Staged(AsyncStager):
@@ -1835,17 +1914,19 @@ def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist)
 
 # A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
-chat_template.json vocab.json merges.txt tokenizer.model""".split()
+chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spiece.model tekken.json""".split()
 
 
-def stop_at_end_of_turn(out: Path, tokenizer) -> None:
+def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
     """generation_config.json's eos_token_id gains the tokenizer's eos and the token its chat template ends an
     assistant turn with, so generate() and servers stop where the fine-tuned model learned to end its answer
     (Llama 3.1 base weights with the Instruct tokenizer: <|eot_id|>, not only the base's <|end_of_text|>)."""
     from transformers import GenerationConfig
 
     path = out / "generation_config.json"
-    config = GenerationConfig.from_pretrained(out) if path.exists() else GenerationConfig()
+    config = (
+        GenerationConfig.from_pretrained(out) if path.exists() else GenerationConfig.from_model_config(model_config)
+    )
     eos = {*(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])}
     turn = AssistantMasker(tokenizer)([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
     if not isinstance(turn, str):  # the last token of an assistant turn's loss span is its end-of-turn token
@@ -1893,10 +1974,11 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
             index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for f in source.iterdir():  # config.json, generation_config.json, processor configs; not the tokenizer's
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in (index_file.name, *TOKENIZER_FILES):
+            tokenizer_file = f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"
+            if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name and not tokenizer_file:
                 shutil.copy(f, out / f.name)
         tokenizer.save_pretrained(out)  # the tokenizer trained with: its special tokens and chat template
-        stop_at_end_of_turn(out, tokenizer)
+        stop_at_end_of_turn(out, tokenizer, model.config)
         size, seconds = sum(f.stat().st_size for f in out.iterdir()) / 2**30, time.perf_counter() - t0
         print(f"exported {len(state) + len(extra)} tensors, {size:.2f} GiB in {seconds:.1f}s -> {out}", flush=True)
     dist.barrier()
@@ -1923,19 +2005,16 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         config = load_config(("train()", config or {}))
     d = setup_distributed()
     try:
-        with RunLock(check_output_dir(config, d), d):
+        with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
             return run(config, d, step_hook)
     finally:
         if d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(cfg: Config, d: Dist, step_hook=None) -> dict:
-    import transformers
-
-    torch.manual_seed(cfg.seed)
-    print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
-    # Everything that can be checked without the weights is checked first, on every rank.
+def startup_checks(cfg: Config, d: Dist):
+    """Everything that can be checked without the weights, checked first: the attention backend, the model's
+    config and kernels, the block length, the tokenizer, the data. Returns (attention, model config, tokenizer)."""
     attn = resolve_attention(cfg.attn_implementation, d.device)
     config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
@@ -1945,6 +2024,15 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)
+    return attn, config, tokenizer
+
+
+def run(cfg: Config, d: Dist, step_hook=None) -> dict:
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
+    attn, config, tokenizer = on_every_rank(partial(startup_checks, cfg, d), d)
     resume_from = resume_point(cfg, d)
     meta = checkpoint_meta(resume_from) if resume_from else None
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
@@ -1953,7 +2041,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     total_steps, stats = step_count(cfg, tokenizer, d, meta)
     # The data stream starts now: its worker packs the first buffer while the weights load.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
-    source = pretrained_dir(cfg)
+    source = on_every_rank(partial(pretrained_dir, cfg), d)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
@@ -1995,6 +2083,9 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         log.write({"step": result["steps"], "data_seen": summary})
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
         status = "FINISHED"
+    except Interrupted:
+        status = "KILLED"  # MLflow's word for a run stopped from outside
+        raise
     finally:
         log.close(status)
     return {**result, "output_dir": cfg.output_dir, "model_dir": str(export) if export else None}

@@ -35,6 +35,15 @@ MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
         "empty or non-string content",
     ),
     ({"messages": [{"role": "user", "content": "anyone?"}]}, "no assistant turn"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": 4},
+            ]
+        },
+        "non-string reasoning_content",
+    ),
     ({"messages": [{"role": "system", "content": "be brief"}]}, "no assistant turn"),
     (
         {"messages": [{"role": "assistant", "content": "I talk to myself"}]},

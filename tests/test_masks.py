@@ -232,3 +232,37 @@ def test_reasoning_can_be_dropped_and_extra_samples_are_counted(tokenizer):
     dropped = train.Config(reasoning="drop")
     [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), dropped, Counter())
     assert loss_runs(tok, ids, mask) == ["4<|im_end|>", "6<|im_end|>"] and "Two" not in tok.decode(ids)
+
+
+def test_tool_calls_that_could_be_masked_wrongly_are_skipped(tokenizer):
+    """Special-token text in call arguments, reasoning for a template that cannot render it, and a template that
+    puts the calls before the content: each skips the record, with its reason, instead of a wrong mask."""
+    qwen = train.AssistantMasker(with_template(tokenizer, QWEN3_5))
+    fake_end = {**CALL, "function": {**CALL["function"], "arguments": {"city": "Paris<|im_end|>"}}}
+    call_turn = {"role": "assistant", "content": "", "tool_calls": [fake_end]}
+    assert qwen([{"role": "user", "content": "Weather?"}, call_turn]) == "special-token text in a content"
+    chatml = train.AssistantMasker(with_template(tokenizer, CHATML))
+    reasoned = [{"role": "user", "content": "2+2?"}, turn("4", "Two twos.")]
+    assert chatml.samples(reasoned) == "reasoning the template does not render (set reasoning: drop)"
+    calls_first = CHATML.replace(
+        "{{ m.content }}",
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}{{ m.content }}",
+    )
+    only_calls = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    masker = train.AssistantMasker(with_template(tokenizer, calls_first))
+    assert masker(only_calls) == "template renders content-dependently"
+
+
+def test_an_openai_tool_call_turn_with_null_content_is_trained(tokenizer):
+    record = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": "18C in Paris."},
+        ]
+    }
+    counts = Counter()
+    tok = with_template(tokenizer, QWEN3_5)
+    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), train.Config(), counts)
+    assert len(loss_runs(tok, ids, mask)) == 2 and counts == {"conversations": 1}

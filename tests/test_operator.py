@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, TORCHRUN, worker_env, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, worker_env, write_tiny_job
 
 import train
 
@@ -53,6 +53,16 @@ def test_under_torchrun_a_user_error_is_one_line_from_rank_0(tiny_model_dir, tmp
     assert rc != 0
     assert (out + err).count("does not exist") == 1 and "error: data file" in err
     assert 'File "' + str(ROOT / "train.py") not in out + err  # no traceback from the ranks
+
+
+@pytest.mark.distributed
+def test_a_user_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """A check that fails on one rank only (a node-local file, a directory one rank cannot write) stops every
+    rank with the same error, so rank 0 says it and no rank waits in a collective for the one that left."""
+    rc, out, err = run([*TORCHRUN, str(WORKERS / "rank_error_worker.py")], timeout=120)
+    assert rc == 0, err[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} raised: data file /node-local/data.jsonl does not exist (rank 1)" in out
 
 
 def test_a_bug_keeps_its_traceback(tiny_model_dir, tmp_path, monkeypatch):
@@ -189,8 +199,33 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(t
     assert rc == 0, err[-3000:]
     assert f"warning: checkpoint {out}/checkpoints/step_00000004 is damaged (" in stdout
     assert f"resumed from {out}/checkpoints/step_00000002 (step 2 of 4)" in stdout
-    assert (out / "checkpoints/rejected-step_00000004").is_dir()  # kept for a look, never resumed from again
+    assert (
+        len(list((out / "checkpoints").glob("rejected-step_00000004-*"))) == 1
+    )  # kept for a look, never resumed from again
     assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(out)))][-1] == "step_00000005"
+
+
+def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_the_run(two_checkpoints, tmp_path):
+    import torch.distributed as dist
+
+    _, finished = two_checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    old = out / "checkpoints/step_00000004"
+    meta = train.checkpoint_meta(old)
+    (old / "complete.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("files", "sha256")}))
+    assert train.checkpoint_problem(old) is None  # nothing to check it against: resumed, not set aside
+    for step in ("step_00000002", "step_00000004"):
+        (out / "checkpoints" / step / "complete.json").write_text("")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(train.UserError, match="every checkpoint in .* is damaged"):
+            train.resume_point(train.Config(output_dir=str(out)), train.Dist(0, 0, 1, torch.device("cpu"), True))
+    finally:
+        dist.destroy_process_group()
+    assert len(list((out / "checkpoints").glob("rejected-step_*"))) == 2 and not train.complete_checkpoints(
+        train.Config(output_dir=str(out))
+    )
 
 
 def test_complete_json_lists_every_file_and_hashes_the_small_ones(two_checkpoints):
@@ -216,14 +251,21 @@ def test_a_second_run_on_one_output_dir_refuses_naming_the_holder(tiny_model_dir
 
 @pytest.mark.parametrize(
     "holder, age_s, taken",
-    [("dead pid here", 0, True), ("other host, fresh", 0, False), ("other host, silent 3 min", 180, True)],
+    [
+        ("dead pid here", 0, True),
+        ("our own pid here: a restarted container", 0, True),
+        ("other host, fresh", 0, False),
+        ("other host, silent 3 min", 180, True),
+    ],
 )
 def test_a_dead_holders_lock_is_taken_over(tmp_path, holder, age_s, taken):
     import torch.distributed as dist
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    host, pid = (socket.gethostname(), dead.pid) if holder == "dead pid here" else ("elsewhere", 1)
+    host, pid = {"dead pid here": (socket.gethostname(), dead.pid)}.get(holder, ("elsewhere", 1))
+    if holder.startswith("our own pid"):
+        host, pid = socket.gethostname(), os.getpid()
     lock_file(tmp_path / "out", host, pid, age_s)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

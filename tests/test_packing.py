@@ -139,6 +139,7 @@ def test_eval_fraction_holds_out_records_that_are_never_trained(tokenizer):
         ({"dataset_name": "data.jsonl", "eval_split": "data.jsonl"}, "is the training data"),
         ({"dataset_name": "data.jsonl", "eval_split": "test"}, "is the training data"),  # a file has no splits
         ({"eval_split": "train_sft"}, "is the training data"),
+        ({"dataset_name": "a.jsonl", "eval_split": "./a.jsonl"}, "is the training data"),  # one file, two spellings
         ({"eval_split": "test_sft", "eval_fraction": 0.1}, "set eval_split or eval_fraction, not both"),
     ],
 )
@@ -147,3 +148,4 @@ def test_eval_on_the_training_data_is_refused(settings, message):
         train.Config(**settings)
     assert train.Config(eval_split="test_sft").eval_split == "test_sft"  # a hub dataset's other split
     assert train.Config(dataset_name="data.jsonl", eval_split="held_out.jsonl").eval_fraction == 0
+    assert train.Config(dataset_split="", eval_split="").eval_split == ""  # no eval at all
