@@ -555,12 +555,15 @@ class AssistantMasker:
 
     def call_only_turn(self, render, messages: list[dict], i: int, text: str) -> tuple[int, int] | None:
         """The loss span of assistant turn i, whose content is empty (it only calls tools): from where a content
-        would start (found by rendering one in its place; the text before it must not change) through the first
+        would start (found by rendering one in its place; the text before it must not change) or, for a template
+        that renders no content beside calls (Llama 3.1), from the end of its generation prompt, through the first
         special token after it, the end of the turn, which must hold the calls' names. None if the template
-        renders the turn otherwise (drops a content there, or puts the calls before it)."""
+        renders the turn otherwise (puts the calls before a content, say)."""
         variant = render([{**m, "content": "\ue000"} if j == i else m for j, m in enumerate(messages)])
         start, m = variant.find("\ue000"), messages[i]
-        end = self.end_of_turn(text, start) if start >= 0 and text.startswith(variant[:start]) else None
+        prefix = variant[:start] if start >= 0 else render(messages[:i], add_generation_prompt=True)
+        start = len(prefix)
+        end = self.end_of_turn(text, start) if text.startswith(prefix) else None
         names = [(c.get("function") or c).get("name", "") for c in m.get("tool_calls") or [] if isinstance(c, dict)]
         if m["role"] != "assistant" or end is None or not all(str(n) in text[start:end] for n in names):
             return None

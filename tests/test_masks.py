@@ -266,3 +266,36 @@ def test_an_openai_tool_call_turn_with_null_content_is_trained(tokenizer):
     tok = with_template(tokenizer, QWEN3_5)
     [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), train.Config(), counts)
     assert len(loss_runs(tok, ids, mask)) == 2 and counts == {"conversations": 1}
+
+
+# The structure of Llama 3.1's tool-call format (its prompt-format documentation): a turn with tool calls renders
+# only the calls, as JSON, and drops any content; tool results come back under the "ipython" role. (Written for
+# this test, not Meta's template text.)
+LLAMA3_TOOLS = (
+    "<|begin_of_text|>{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\n"
+    "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{% for c in m.tool_calls %}{{ \'{"name": "\' + c.function.name + \'", "parameters": \' }}'
+    "{{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_calls_without_content_trains_them_from_its_generation_prompt(tokenizer):
+    tok = with_template(tokenizer, LLAMA3_TOOLS)
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18C"},
+        {"role": "assistant", "content": "18C in Paris."},
+    ]
+    ids, mask = train.AssistantMasker(tok)(messages, [WEATHER_TOOL])
+    assert ids == tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=True, return_dict=False)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+    assert loss_runs(tok, ids, mask) == [call, "18C in Paris.<|eot_id|>"]
+    # A content beside calls is not rendered by this template: it cannot be trained, so the record is skipped.
+    with_content = [messages[0], {**messages[1], "content": "Let me look."}, *messages[2:]]
+    assert train.AssistantMasker(tok)(with_content) == "template renders content-dependently"
