@@ -494,20 +494,15 @@ class AssistantMasker:
         # An empty content (an assistant turn that only calls tools) keeps no placeholder: templates render the
         # calls differently after a content (Qwen3.5: a blank line first).
         slots = []  # (message index, placeholder, its text) in the order a template renders them
+        skeleton_messages = []  # the messages with the placeholders in place of their texts
         for i, m in enumerate(messages):
+            skeleton_messages.append(dict(m))
             if self.renders_reasoning and m["role"] == "assistant" and (m.get("reasoning_content") or "").strip():
                 slots.append((i, f"\ue000r{i}\ue001", m["reasoning_content"]))
+                skeleton_messages[i]["reasoning_content"] = slots[-1][1]
             if m["content"]:
                 slots.append((i, f"\ue000c{i}\ue001", m["content"]))
-        holders = {(i, h[1]): h for i, h, _ in slots}
-        skeleton_messages = [
-            {
-                **m,
-                "content": holders.get((i, "c"), m["content"]),
-                **({"reasoning_content": holders[(i, "r")]} if (i, "r") in holders else {}),
-            }
-            for i, m in enumerate(messages)
-        ]
+                skeleton_messages[i]["content"] = slots[-1][1]
         render = partial(self.tok.apply_chat_template, tools=tools, tokenize=False)
         try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
             text, skeleton = render(messages), render(skeleton_messages)
@@ -803,18 +798,17 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
     the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
     per-rank block count and the packing statistics summed over ranks."""
-    blocks, tokens, loss_tokens, counts, shown = 0, 0, 0, {}, time.monotonic()
-
-    for item in block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1):
-        counts[item["position"].slot] = item["position"].counts_at_end
-        if "input_ids" not in item:  # a stream's end
-            continue
-        blocks, tokens, loss_tokens = blocks + 1, tokens + item["tokens"], loss_tokens + item["loss_tokens"]
+    seen, tokens, loss_tokens, shown = Progress(), 0, 0, time.monotonic()
+    loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
+    for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
+        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
         if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
             shown = time.monotonic()
-            print0(d.rank, f"counting: {blocks:,} blocks so far on rank 0, {item['position'].record:,} records in")
+            print0(
+                d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {block['position'].record:,} records in"
+            )
     totals = [None] * d.world_size
-    dist.all_gather_object(totals, (blocks, tokens, loss_tokens, sum(map(Counter, counts.values()), Counter())))
+    dist.all_gather_object(totals, (seen.blocks, tokens, loss_tokens, seen.stream_counts()))
     blocks_per_rank = [t[0] for t in totals]
     counts = sum((Counter(t[3]) for t in totals), Counter())
     capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
@@ -1581,20 +1575,12 @@ class RunLock:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "run": os.urandom(8).hex(),  # this run's, whatever pid a restarted container gives it
         }
-        refusal = [None]
-        if d.rank == 0:
-            try:
-                refusal = [self.acquire()]
-            except (OSError, ValueError) as e:  # rank 0 alone failed: every rank must stop, not wait for it
-                refusal = [f"cannot take the lock {self.path}: {e}"]
-        dist.broadcast_object_list(refusal, src=0)
-        if refusal[0]:
-            raise UserError(refusal[0])
+        decided_by_rank_0(self.acquire, f"cannot take the lock {self.path}", d)
         if d.rank == 0:
             threading.Thread(target=self.refresh, name="run-lock", daemon=True).start()
 
-    def acquire(self) -> str | None:
-        """Takes the lock, or says who holds it."""
+    def acquire(self) -> None:
+        """Takes the lock, or raises a UserError naming who holds it."""
         try:
             lock = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # of two runs at once, one creates it
             os.write(lock, json.dumps(self.me).encode())
@@ -1602,23 +1588,25 @@ class RunLock:
         except FileExistsError:
             try:  # a lock file written halfway (its writer died at once) is no lock
                 holder = json.loads(self.path.read_text())
-                age = time.time() - self.path.stat().st_mtime
-                here = holder["host"] == self.me["host"]  # our own pid there: a container restarted under its old one
-                pid_gone = here and (holder["pid"] == os.getpid() or not pid_alive(holder["pid"]))
-                if not pid_gone and age < self.STALE_S:
-                    return (
-                        f"output_dir {self.path.parent} is in use by another run (host {holder['host']}, pid "
-                        f"{holder['pid']}, started {holder['started']}, alive {age:.0f}s ago): use another "
-                        f"output_dir, or remove {self.path} if that run is gone"
-                    )
-                print(f"taking over the lock of a run that is gone: {holder}", flush=True)
+                age, host, pid = time.time() - self.path.stat().st_mtime, holder["host"], int(holder["pid"])
             except (FileNotFoundError, ValueError, KeyError, TypeError):
-                pass
+                holder = None
+            if holder:
+                # Our own pid there: a container restarted under its old one.
+                pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))
+                if not pid_gone and age < self.STALE_S:
+                    raise UserError(
+                        f"output_dir {self.path.parent} is in use by another run (host {host}, pid {pid}, started "
+                        f"{holder.get('started')}, alive {age:.0f}s ago): use another output_dir, or remove "
+                        f"{self.path} if that run is gone"
+                    ) from None
+                print(f"taking over the lock of a run that is gone: {holder}", flush=True)
             tmp = self.path.with_name(f"run.lock.{self.me['run']}")
             tmp.write_text(json.dumps(self.me))
             os.replace(tmp, self.path)
         time.sleep(0.2)  # two runs that took the lock at once (one over the other's half-written file): one stays
-        return None if json.loads(self.path.read_text()) == self.me else f"output_dir {self.path.parent} was just taken"
+        if json.loads(self.path.read_text()) != self.me:
+            raise UserError(f"output_dir {self.path.parent} was just taken")
 
     def refresh(self) -> None:
         while not self.released.wait(self.REFRESH_S):
@@ -1688,26 +1676,38 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:
     (renamed rejected-step_N-<time>, kept for a look), and the one before it is tried; if every one fails, the
     run stops (started again, it starts afresh). Rank 0 decides, for all: ranks must not take different branches
     on their own views of a (possibly cached, possibly node-local) file system."""
-    decision = [None, None]  # (checkpoint, or the error every rank raises)
+
+    def newest_intact() -> Path | None:
+        candidates = complete_checkpoints(cfg)
+        for path in reversed(candidates):
+            problem = checkpoint_problem(path)
+            if not problem:
+                return path
+            aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.rename(aside)
+            print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
+        if candidates:
+            raise UserError(f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again")
+        return None
+
+    return decided_by_rank_0(newest_intact, f"cannot read the checkpoints in {cfg.output_dir}", d)
+
+
+def decided_by_rank_0(decide, failure: str, d: Dist):
+    """decide() on rank 0 alone, its result for every rank. Its UserError, or a failure of the file system there
+    (named by `failure`), is raised on every rank: no rank waits in a collective for one that has left."""
+    outcome = [None, None]  # (result, error)
     if d.rank == 0:
         try:
-            candidates = complete_checkpoints(cfg)
-            for path in reversed(candidates):
-                problem = checkpoint_problem(path)
-                if not problem:
-                    decision[0] = path
-                    break
-                aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-                path.rename(aside)
-                print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
-            if candidates and not decision[0]:
-                decision[1] = f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again"
-        except OSError as e:  # the file system failed rank 0: every rank must stop, not wait for it
-            decision[1] = f"cannot read the checkpoints in {cfg.output_dir}: {e}"
-    dist.broadcast_object_list(decision, src=0)
-    if decision[1]:
-        raise UserError(decision[1])
-    return decision[0]
+            outcome[0] = decide()
+        except UserError as e:
+            outcome[1] = str(e)
+        except (OSError, ValueError) as e:
+            outcome[1] = f"{failure}: {e}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        raise UserError(outcome[1])
+    return outcome[0]
 
 
 class Staged(AsyncStager):
