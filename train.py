@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -93,6 +94,18 @@ FRACTION, BETA = (lambda v: 0 <= v <= 1, "in [0, 1]"), (lambda v: 0 <= v < 1, "i
 DTYPES = one_of("bfloat16", "float32")
 
 
+def recompute_share(value: str) -> float | None:
+    """activation_checkpointing as a share of the layers to recompute; None for auto (RecomputeProbe)."""
+    return None if value == "auto" else float(value)
+
+
+def is_recompute_setting(value: str) -> bool:
+    try:
+        return value == "auto" or 0 <= float(value) <= 1
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting of a run, with the default job's values. Checked on construction, however it is built."""
@@ -106,8 +119,17 @@ class Config:
     attn_implementation: str = setting("auto", "attention kernel", one_of(*ATTENTION_BACKENDS), resumable=True)
     master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)", DTYPES)
     param_dtype: str = setting("bfloat16", "compute dtype of FSDP's all-gathered parameters", DTYPES, resumable=True)
-    activation_checkpointing: float = setting(1.0, "share of decoder layers recomputed", FRACTION, resumable=True)
+    activation_checkpointing: str = setting(
+        "auto",
+        "share of decoder layers recomputed in backward; auto: on GPUs, keep the activations of as many layers as "
+        "the memory left after the first step holds, the most time saved per GiB first (1.0 elsewhere)",
+        (is_recompute_setting, "auto, or a share in [0, 1]"),
+        resumable=True,
+    )
     compile: bool = setting(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)", resumable=True)
+    float8: bool = setting(
+        False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)", resumable=True
+    )
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
     dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
@@ -176,6 +198,8 @@ def typed(field: dataclasses.Field, value, source: str):
     """value as the field's type (an int for a float field: YAML reads 1 as an int and 1e-5 as a string), or an
     error naming the key and where the value came from."""
     want = type(field.default)
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:
             value = float(value)
@@ -908,8 +932,6 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 def resolve_attention(requested: str, device: torch.device) -> str:
     """auto: flash-attn if installed; else on CUDA PyTorch's varlen flash kernel; else sdpa, for which
     transformers derives the block-diagonal mask from the reset position_ids (only without a cache)."""
-    import importlib.util
-
     has_flash_attn = importlib.util.find_spec("flash_attn") is not None
     if requested == "auto":
         requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
@@ -931,8 +953,6 @@ def require_kernels(config) -> None:
     """Hybrid models (any linear_attention layer) need the fused kernels: without them transformers either
     refuses the packed signals deep inside the first forward or, given position_ids alone, silently lets the
     recurrent and convolution state flow from one packed conversation into the next."""
-    import importlib.util
-
     if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
         return
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
@@ -1023,15 +1043,28 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
     layers = model.get_decoder().layers
-    if cfg.activation_checkpointing > 0:
+    share = recompute_share(cfg.activation_checkpointing)
+    if share is None or share > 0:
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
         # all-gather its parameters a second time outside FSDP's bookkeeping. A fraction f < 1 recomputes an
         # evenly spread f of the layers; the others keep their activations (docs/BENCHMARKS.md: GiB per layer).
+        # auto starts with every layer recomputed; RecomputeProbe keeps layers' activations after the first step.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         n = len(layers)
-        k = round(cfg.activation_checkpointing * n)  # layers recomputed; integer arithmetic below spreads them
+        k = round((1.0 if share is None else share) * n)  # layers recomputed; integer arithmetic spreads them
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
+    if cfg.float8:
+        # Only the MLPs: they hold ~70% of a layer's matmul FLOPs and are compiled, so float8's scaling and casts
+        # fuse into neighbouring kernels; eager, those casts would cost more than the faster matmuls save.
+        # The weights stay parameters of their dtype and names: checkpoints and the export do not change.
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = Float8LinearConfig.from_recipe_name("rowwise")
+        for layer in layers:
+            for module in layer.modules():
+                if type(module).__name__.endswith("MLP"):
+                    convert_to_float8_training(module, config=recipe)
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -1310,6 +1343,85 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
     return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm, "lr": lr}
 
 
+# The share of a GPU's memory that activation_checkpointing: auto leaves unplanned: fragmentation, and peaks the
+# first step does not show (NCCL's buffers grow with use, an eval's batch).
+AUTO_RECOMPUTE_MARGIN = 0.1
+
+
+class RecomputeProbe:
+    """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while hooks around
+    each layer's calls measure what keeping its activations would cost and save: the memory its recomputation in
+    backward leaves allocated (what its forward saves for backward, and its output) and the time of its forward.
+    After that step the ranks agree on the memory left: the device's, less AUTO_RECOMPUTE_MARGIN of it and what
+    other processes hold, less the step's peak raised by what the step left allocated (AdamW's state, created by
+    the first step); the smallest over the ranks. Then they keep the layers that save the most time per byte
+    until it is spent."""
+
+    def __init__(self, job: Job):
+        self.job, self.layers, self.entered = job, job.model.get_decoder().layers, {}
+        self.bytes, self.forward = [0] * len(self.layers), [None] * len(self.layers)
+        self.hooks = []
+        for i, layer in enumerate(self.layers):
+            # After FSDP's all-gather of the layer's parameters and before their release: neither is counted.
+            self.hooks.append(layer.register_forward_pre_hook(partial(self.enter, i)))
+            self.hooks.append(layer.register_forward_hook(partial(self.leave, i), prepend=True))
+        torch.cuda.reset_peak_memory_stats()
+        self.before = torch.cuda.memory_allocated()
+
+    def enter(self, i: int, module, args) -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.entered[i] = (torch.cuda.memory_allocated(), start)
+
+    def leave(self, i: int, module, args, output) -> None:
+        allocated, start = self.entered.pop(i)
+        self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
+        if self.forward[i] is None:  # the first call is the forward
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.forward[i] = (start, end)
+
+    def after_step(self) -> bool:
+        """Decides once the first step has run its layers; True when done."""
+        if None in self.forward:
+            return False
+        for hook in self.hooks:
+            hook.remove()
+        torch.cuda.synchronize()
+        d, gib = self.job.d, 2**30
+        seconds = [start.elapsed_time(end) / 1e3 for start, end in self.forward]
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated() + torch.cuda.memory_allocated() - self.before
+        room = torch.tensor(free + torch.cuda.memory_reserved() - AUTO_RECOMPUTE_MARGIN * total - peak)
+        costs = torch.tensor([*self.bytes, *seconds], dtype=torch.float64, device=d.device)
+        room = room.to(d.device, torch.float64)
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+        dist.all_reduce(room, op=dist.ReduceOp.MIN)
+        n = len(self.layers)
+        sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
+        kept = layers_to_keep(sizes, seconds, room.item())
+        for i in kept:
+            self.layers[i].gradient_checkpointing = False
+        each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of forward per layer"
+        print0(
+            d.rank,
+            f"activation_checkpointing auto: keeping the activations of {len(kept)} of {n} layers "
+            f"{kept} ({sum(sizes[i] for i in kept) / gib:.1f} GiB; measured {each}), recomputing the "
+            f"rest; expected peak {(peak + sum(sizes[i] for i in kept)) / gib:.1f} GiB of {total / gib:.1f}",
+        )
+        return True
+
+
+def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> list[int]:
+    """The layers whose activations to keep: the most recompute time saved per byte first, while room lasts."""
+    kept = []
+    for i in sorted(range(len(sizes)), key=lambda i: -seconds[i] / max(sizes[i], 1)):
+        if sizes[i] <= room:
+            kept.append(i)
+            room -= sizes[i]
+    return sorted(kept)
+
+
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
@@ -1491,6 +1603,8 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
     saved, stopped = progress.step or None, False  # a resumed run starts at a saved step
     checkpoints = Checkpointer(job)
+    auto = recompute_share(cfg.activation_checkpointing) is None and d.device.type == "cuda"
+    probe = RecomputeProbe(job) if auto else None
     job.model.train()
     while progress.step < total_steps:
         if stop_requested(d):  # before any block of the next step is taken: the checkpoint resumes there
@@ -1499,7 +1613,10 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             break
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
         stats = train_step(job, step_blocks, step_hook)
+        if probe and probe.after_step():
+            probe = None
         checkpoints.poll()
+        checkpoints.prepare()
         if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
             checkpoints.finish()  # the write in flight holds a state from before these steps: keep it
             last = (complete_checkpoints(cfg) or ["none"])[-1]
@@ -1710,6 +1827,17 @@ def decided_by_rank_0(decide, failure: str, d: Dist):
     return outcome[0]
 
 
+def walk_tensors(value, fn, key: tuple = ()):
+    """A copy of a nested dict/list state with each tensor replaced by fn(its key path, the tensor)."""
+    if isinstance(value, dict):
+        return {k: walk_tensors(v, fn, (*key, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk_tensors(v, fn, (*key, i)) for i, v in enumerate(value)]
+    if isinstance(value, torch.Tensor):
+        return fn(key, value)
+    return value
+
+
 class Staged(AsyncStager):
     """For dcp.async_save: the state is staged already (Checkpointer.stage), so there is nothing to copy."""
 
@@ -1737,7 +1865,7 @@ class Checkpointer:
     collectives never interleave with training's."""
 
     def __init__(self, job: Job):
-        self.job, self.pending, self.last, self.buffers = job, None, time.monotonic(), {}
+        self.job, self.pending, self.last, self.buffers, self.preparing = job, None, time.monotonic(), {}, None
         if job.cfg.async_save:
             self.group = dist.new_group(backend="gloo")
             # The staged copy in host memory, per rank and per node (weights, and AdamW's two moments of the
@@ -1768,9 +1896,13 @@ class Checkpointer:
         dist.broadcast(late, src=0)
         return bool(late)
 
-    def save(self) -> None:
+    def state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        model_state, optimizer_state = get_state_dict(self.job.model, self.job.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self) -> None:
         self.finish()  # the write in flight, if any
         job, d, progress = self.job, self.job.d, self.job.progress
         t0 = time.perf_counter()
@@ -1779,8 +1911,7 @@ class Checkpointer:
             shutil.rmtree(path)  # an earlier, interrupted save of this step
         dist.barrier()
         path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
-        model_state, optimizer_state = get_state_dict(job.model, job.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = self.state()
         future = None
         if job.cfg.async_save:  # the copy must be taken before the next step changes the weights
             staged = self.stage(state)
@@ -1802,41 +1933,62 @@ class Checkpointer:
         if not future:
             self.finish()
 
+    def prepare(self) -> None:
+        """Called after each step; after the first (AdamW's state exists from then on) it allocates and pins the
+        staging buffers in a background thread, so that the first save stalls training for a copy too, not for
+        the seconds that allocating and pinning tens of GB take (docs/CHECKPOINTS.md)."""
+        if self.preparing or self.buffers or not self.job.cfg.async_save or self.job.cfg.save_every < 0:
+            return
+        from torch.distributed.tensor import DTensor
+
+        layout = []  # each rank-local tensor's shape and dtype, taken here: the thread reads no live state
+
+        def note(key, value):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            layout.append((key, local.shape, local.dtype))
+
+        walk_tensors(self.state(), note)
+        self.preparing = threading.Thread(target=lambda: [self.buffer(*leaf) for leaf in layout], daemon=True)
+        self.preparing.start()
+
+    def buffer(self, key: tuple, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer kept for one tensor of the state, pinned in place on GPUs (PyTorch's pinned allocator
+        would round each up to a power of 2)."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype)
+            if self.job.d.device.type == "cuda" and buffer.nbytes:
+                cudart = torch.cuda.cudart()
+                cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+            self.buffers[key] = buffer
+        return buffer
+
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
-        """The state with every tensor copied into a host buffer kept from save to save (pinned on GPUs): allocating
-        and pinning 40 GB is seconds, most of a save's stall, and the copy into existing pinned buffers runs at
-        tens of GB/s (docs/CHECKPOINTS.md). Sharded tensors keep their placements, over a CPU mesh of the
-        checkpoint group, so the files are those a save from the GPU writes. (DCP's own stager caches its buffers
-        too, but on torch 2.11 its second save failed.)"""
+        """The state with every tensor copied into its host buffer (prepare; the copy into pinned buffers runs at
+        tens of GB/s). Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the
+        files are those a save from the GPU writes. (DCP's own stager caches its buffers too, but on torch 2.11
+        its second save failed.)"""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
 
+        if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them
+            self.preparing.join()
+            self.preparing = None
         pinned = self.job.d.device.type == "cuda"
         self.mesh = getattr(self, "mesh", None) or DeviceMesh.from_group(self.group, "cpu")
 
-        def host(value, key):
-            if isinstance(value, dict):
-                return {k: host(v, (*key, k)) for k, v in value.items()}
-            if isinstance(value, list):
-                return [host(v, (*key, i)) for i, v in enumerate(value)]
-            if not isinstance(value, torch.Tensor):
-                return value
+        def host(key, value):
             local = value.to_local() if isinstance(value, DTensor) else value
-            buffer = self.buffers.get(key)
-            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-                buffer = self.buffers[key] = torch.empty(local.shape, dtype=local.dtype)
-                if pinned and buffer.nbytes:  # pinned in place: PyTorch's pinned allocator rounds to powers of 2
-                    cudart = torch.cuda.cudart()
-                    cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
-                    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+            buffer = self.buffer(key, local.shape, local.dtype)
             buffer.copy_(local, non_blocking=pinned)
             if not isinstance(value, DTensor):
                 return buffer
             shape, stride = value.shape, value.stride()
             return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
 
-        staged = host(state, ())
+        staged = walk_tensors(state, host)
         if pinned:
             torch.cuda.synchronize()
         return staged
@@ -2024,6 +2176,10 @@ def startup_checks(cfg: Config, d: Dist):
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit and cfg.max_seq_len > limit:
         raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+    if cfg.float8 and (d.device.type != "cuda" or torch.cuda.get_device_capability(d.device) < (8, 9)):
+        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
+    if cfg.float8 and importlib.util.find_spec("torchao") is None:
+        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)
@@ -2060,11 +2216,13 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     else:
         init_random(model, cfg.seed)
     layers = model.get_decoder().layers
-    recomputed = sum(getattr(layer, "gradient_checkpointing", False) for layer in layers)
+    recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
+    if recompute_share(cfg.activation_checkpointing) is None and d.device.type == "cuda":
+        recomputed += " until activation_checkpointing auto decides"
     print0(
         d.rank,
         f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
-        f"{len(layers)} decoder layers ({recomputed} recomputed{', norms and MLPs compiled' if cfg.compile else ''}), "
+        f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
         f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in "
         f"{time.perf_counter() - t0:.1f}s, peak host memory {rss_gib():.1f} GiB on rank 0\n"
         f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "

@@ -320,7 +320,12 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     )
     progress = train.Progress(step=1, streams={0: position}, blocks=7)
     checkpointer = train.Checkpointer(train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, progress, {}))
+    checkpointer.prepare()  # the host buffers, allocated in a background thread before the first save
+    checkpointer.preparing.join()
+    prepared = dict(checkpointer.buffers)
     checkpointer.save()  # in the background (async_save), completed by finish()
+    assert prepared.keys() == checkpointer.buffers.keys()
+    assert all(checkpointer.buffers[key] is buffer for key, buffer in prepared.items())
     model(input_ids=ids, labels=ids).loss.backward()  # the weights move on after the first save
     optimizer.step()
     progress.step, buffers = 2, dict(checkpointer.buffers)

@@ -58,7 +58,8 @@ def test_int_is_accepted_for_a_float_field(monkeypatch):
         (["--max_steps", "ten"], "'max_steps' (from command line) must be int"),
         (["--epochs", "1.5"], "'epochs' (from command line) must be int"),
         (["--compile", "maybe"], "'compile' (from command line) must be bool"),
-        (["--activation_checkpointing", "true"], "'activation_checkpointing' (from command line) must be float"),
+        (["--activation_checkpointing", "true"], "activation_checkpointing must be auto, or a share in [0, 1]"),
+        (["--activation_checkpointing", "nan"], "activation_checkpointing must be auto, or a share in [0, 1]"),
     ],
 )
 def test_bad_flags_name_the_key(args, message, monkeypatch):
@@ -87,6 +88,7 @@ def test_train_rejects_unknown_keys_before_loading_anything():
         ({"attn_implementation": "flash3"}, "attn_implementation"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
         ({"activation_checkpointing": 1.5}, "activation_checkpointing"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing"),
     ],
 )
 def test_settings_that_cannot_work_fail_validation(override, message):
@@ -132,3 +134,24 @@ def test_help_lists_every_setting_from_its_field(flag):
     assert "tokens per packed block (default: 32768; >= 16)" in text  # the check's requirement, from the field
     assert "steps per log line (also logged at every checkpoint) (default: 10; >= 1; may change on resume)" in text
     assert "(default: 'auto'; one of auto, flash_attention_2, torch_varlen, sdpa, eager; may change on resume)" in text
+
+
+def test_activation_checkpointing_is_auto_or_a_share_from_any_source(tmp_path, monkeypatch):
+    """YAML reads 0.75 as a number, a flag as a string; both mean the same share."""
+    monkeypatch.delenv("HYPERPARAMETERS_PATH", raising=False)
+    (tmp_path / "job.yaml").write_text("activation_checkpointing: 0.75\n")
+    from_file, _ = train.parse_args(["--config", str(tmp_path / "job.yaml")])
+    from_flag, _ = train.parse_args(["--activation_checkpointing", "0.75"])
+    assert train.recompute_share(from_file.activation_checkpointing) == 0.75
+    assert train.recompute_share(from_flag.activation_checkpointing) == 0.75
+    assert train.recompute_share(train.Config().activation_checkpointing) is None  # auto, the default
+
+
+def test_auto_recompute_keeps_the_most_time_saved_per_byte_that_fits():
+    gib = 2**30
+    sizes = [7 * gib, 8 * gib, 7 * gib, 8 * gib]  # e.g. Gated DeltaNet, attention, Gated DeltaNet, attention
+    seconds = [0.040, 0.060, 0.041, 0.050]  # per byte: layer 1 first, then 3, 2, 0
+    assert train.layers_to_keep(sizes, seconds, room=16 * gib) == [1, 3]
+    assert train.layers_to_keep(sizes, seconds, room=15.5 * gib) == [1, 2]  # 3 does not fit after 1; 2 does
+    assert train.layers_to_keep(sizes, seconds, room=100 * gib) == [0, 1, 2, 3]
+    assert train.layers_to_keep(sizes, seconds, room=-gib) == []  # the first step's peak already too close

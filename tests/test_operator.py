@@ -45,6 +45,9 @@ def test_a_user_error_is_one_line_and_exit_status_2(tiny_model_dir, tmp_path):
     assert rc == 2 and err.strip() == f"error: data file {tmp_path / 'nowhere.jsonl'} does not exist"
     assert "Traceback" not in out + err
 
+    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir), "--float8", "true"))  # no GPU here
+    assert rc == 2 and err.strip().startswith("error: float8 needs an NVIDIA GPU with float8 matmuls")
+
 
 @pytest.mark.distributed
 def test_under_torchrun_a_user_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
