@@ -1351,7 +1351,7 @@ AUTO_RECOMPUTE_MARGIN = 0.1
 class RecomputeProbe:
     """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while hooks around
     each layer's calls measure what keeping its activations would cost and save: the memory its recomputation in
-    backward leaves allocated (what its forward saves for backward, and its output) and the time of its forward.
+    backward leaves allocated (what its forward saves for backward, and its output) and the time it takes.
     After that step the ranks agree on the memory left: the device's, less AUTO_RECOMPUTE_MARGIN of it and what
     other processes hold, less the step's peak raised by what the step left allocated (AdamW's state, created by
     the first step); the smallest over the ranks. Then they keep the layers that save the most time per byte
@@ -1376,10 +1376,14 @@ class RecomputeProbe:
     def leave(self, i: int, module, args, output) -> None:
         allocated, start = self.entered.pop(i)
         self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
-        if self.forward[i] is None:  # the first call is the forward
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.forward[i] = (start, end)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.forward[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
+
+    def measuring(self):
+        """The context of the measured step. PyTorch stops a recomputation once it has the tensors backward
+        needs, before the layer's forward returns (and the hook above runs): here it runs to the end."""
+        return torch.utils.checkpoint.set_checkpoint_early_stop(False)
 
     def after_step(self) -> bool:
         """Decides once the first step has run its layers; True when done."""
@@ -1402,7 +1406,7 @@ class RecomputeProbe:
         kept = layers_to_keep(sizes, seconds, room.item())
         for i in kept:
             self.layers[i].gradient_checkpointing = False
-        each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of forward per layer"
+        each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
         print0(
             d.rank,
             f"activation_checkpointing auto: keeping the activations of {len(kept)} of {n} layers "
@@ -1612,7 +1616,8 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
             break
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
-        stats = train_step(job, step_blocks, step_hook)
+        with probe.measuring() if probe else contextlib.nullcontext():
+            stats = train_step(job, step_blocks, step_hook)
         if probe and probe.after_step():
             probe = None
         checkpoints.poll()
