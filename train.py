@@ -1349,48 +1349,53 @@ AUTO_RECOMPUTE_MARGIN = 0.1
 
 
 class RecomputeProbe:
-    """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while hooks around
-    each layer's calls measure what keeping its activations would cost and save: the memory its recomputation in
-    backward leaves allocated (what its forward saves for backward, and its output) and the time it takes.
+    """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while each layer's
+    checkpointed forward is measured, in forward and again when backward recomputes it: the memory the
+    recomputation leaves allocated (what the forward saves for backward, and its output) and the time it takes.
     After that step the ranks agree on the memory left: the device's, less AUTO_RECOMPUTE_MARGIN of it and what
     other processes hold, less the step's peak raised by what the step left allocated (AdamW's state, created by
     the first step); the smallest over the ranks. Then they keep the layers that save the most time per byte
     until it is spent."""
 
     def __init__(self, job: Job):
-        self.job, self.layers, self.entered = job, job.model.get_decoder().layers, {}
+        self.job, self.layers = job, job.model.get_decoder().layers
         self.bytes, self.forward = [0] * len(self.layers), [None] * len(self.layers)
-        self.hooks = []
+        # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
+        # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
+        # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
+        self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):
-            # After FSDP's all-gather of the layer's parameters and before their release: neither is counted.
-            self.hooks.append(layer.register_forward_pre_hook(partial(self.enter, i)))
-            self.hooks.append(layer.register_forward_hook(partial(self.leave, i), prepend=True))
+            layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
         torch.cuda.reset_peak_memory_stats()
         self.before = torch.cuda.memory_allocated()
 
-    def enter(self, i: int, module, args) -> None:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.entered[i] = (torch.cuda.memory_allocated(), start)
+    def checkpoint(self, i: int, checkpoint_func, forward, *args):
+        def measured(*args):
+            start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
+            start.record()
+            output = forward(*args)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
+            self.forward[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
+            return output
 
-    def leave(self, i: int, module, args, output) -> None:
-        allocated, start = self.entered.pop(i)
-        self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.forward[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
+        return checkpoint_func(measured, *args)
+
+    def restore(self) -> None:
+        for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
+            layer._gradient_checkpointing_func = checkpoint_func
 
     def measuring(self):
         """The context of the measured step. PyTorch stops a recomputation once it has the tensors backward
-        needs, before the layer's forward returns (and the hook above runs): here it runs to the end."""
+        needs, before the layer's forward returns: here it runs to the end, to be measured."""
         return torch.utils.checkpoint.set_checkpoint_early_stop(False)
 
     def after_step(self) -> bool:
         """Decides once the first step has run its layers; True when done."""
         if None in self.forward:
             return False
-        for hook in self.hooks:
-            hook.remove()
+        self.restore()
         torch.cuda.synchronize()
         d, gib = self.job.d, 2**30
         seconds = [start.elapsed_time(end) / 1e3 for start, end in self.forward]

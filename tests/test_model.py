@@ -104,3 +104,43 @@ def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
         train.resolve_attention("torch_varlen", torch.device("cpu"))
     with pytest.raises(train.UserError, match="needs flash-attn"):
         train.resolve_attention("flash_attention_2", torch.device("cpu"))
+
+
+def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(tiny_model_dir, monkeypatch):
+    """The probe wraps transformers' checkpoint function (FSDP's and other module hooks run outside the checkpoint,
+    so they never see the recomputation), and the measured step runs each recomputation to its end (PyTorch
+    stops it early by default): every layer is measured twice, and the original checkpoint function is back
+    afterwards. (The memory itself is CUDA's:
+    measured on the GPU, docs/BENCHMARKS.md.)"""
+    records = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            records.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    layers = model.get_decoder().layers
+    original = [layer._gradient_checkpointing_func for layer in layers]
+
+    class Job:
+        pass
+
+    job = Job()
+    job.model = model
+    probe = train.RecomputeProbe(job)
+    ids = torch.arange(3, 40)[None]
+    with probe.measuring():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    n = len(layers)
+    assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
+    assert all(records.index(start) >= 2 * n for start, _ in probe.forward)  # the recomputation's are kept
+    probe.restore()
+    assert [layer._gradient_checkpointing_func for layer in layers] == original
