@@ -7,7 +7,8 @@
 #   2. unless RESUME=0: drop the page cache, resume from the last checkpoint and train one more step.
 # ASYNC=false makes the saves synchronous (the stall is then the whole save). FREE_SHARDS=1 deletes each complete
 # checkpoint's shards after the next step (bench.py --free-saved-shards), so that a disk holding one checkpoint
-# can take several saves (RESUME=0 then). COPIES: copies of the 200 bench conversations (default 10).
+# can take several saves; the final save's checkpoint is kept, but if the last periodic save's write is still in
+# flight when the run ends, the disk must hold both. COPIES: copies of the 200 bench conversations (default 10).
 #
 #   bash bench/checkpoint_cost.sh RESULTS_DIR [NGPU] [LAYERS] [STEPS]
 #
