@@ -1352,10 +1352,10 @@ class RecomputeProbe:
     """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while each layer's
     checkpointed forward is measured, in forward and again when backward recomputes it: the memory the
     recomputation leaves allocated (what the forward saves for backward, and its output) and the time it takes.
-    After that step the ranks agree on the memory left: the device's, less AUTO_RECOMPUTE_MARGIN of it and what
-    other processes hold, less the step's peak raised by what the step left allocated (AdamW's state, created by
-    the first step); the smallest over the ranks. Then they keep the layers that save the most time per byte
-    until it is spent."""
+    After that step the ranks agree on the memory left: the device's (or the process's cap), less
+    AUTO_RECOMPUTE_MARGIN of it and what other processes hold, less the step's peak raised by what the step left
+    allocated (AdamW's state, created by the first step); the smallest over the ranks. Then they keep the layers
+    that save the most time per byte until it is spent."""
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
@@ -1400,8 +1400,10 @@ class RecomputeProbe:
         d, gib = self.job.d, 2**30
         seconds = [start.elapsed_time(end) / 1e3 for start, end in self.forward]
         free, total = torch.cuda.mem_get_info()
+        limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
+        usable = min(free + torch.cuda.memory_reserved(), limit)
         peak = torch.cuda.max_memory_allocated() + torch.cuda.memory_allocated() - self.before
-        room = torch.tensor(free + torch.cuda.memory_reserved() - AUTO_RECOMPUTE_MARGIN * total - peak)
+        room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak)
         costs = torch.tensor([*self.bytes, *seconds], dtype=torch.float64, device=d.device)
         room = room.to(d.device, torch.float64)
         dist.all_reduce(costs, op=dist.ReduceOp.MAX)
@@ -1416,7 +1418,7 @@ class RecomputeProbe:
             d.rank,
             f"activation_checkpointing auto: keeping the activations of {len(kept)} of {n} layers "
             f"{kept} ({sum(sizes[i] for i in kept) / gib:.1f} GiB; measured {each}), recomputing the "
-            f"rest; expected peak {(peak + sum(sizes[i] for i in kept)) / gib:.1f} GiB of {total / gib:.1f}",
+            f"rest; expected peak {(peak + sum(sizes[i] for i in kept)) / gib:.1f} GiB of {limit / gib:.1f}",
         )
         return True
 

@@ -105,7 +105,13 @@ def cmd_ours(args) -> None:
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
         overrides[key] = yaml.safe_load(value)
-    hook = free_saved_shards(args.out) if args.free_saved_shards else None
+    hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
+    hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
+
+    def hook(step, model, loss_sum):
+        for each in hooks:
+            each(step, model, loss_sum)
+
     result = train.train(train.load_config(("bench", config), ("--set", overrides)), step_hook=hook)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
@@ -122,6 +128,58 @@ def free_saved_shards(out: str):
                 if (shard.parent / "complete.json").exists():
                     shard.unlink()
                     print(f"bench: deleted {shard} to free disk", flush=True)
+
+    return hook
+
+
+# Kernel kinds of a step's CUDA time, by name (the first match wins).
+KERNEL_KINDS = [
+    ("NCCL reduce-scatter", r"reducescatter|reduce_scatter"),
+    ("NCCL all-gather", r"allgather|all_gather"),
+    ("NCCL, other", r"nccl"),
+    ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
+    ("attention (flash)", r"flash|fmha"),
+    ("causal-conv1d", r"causal_conv1d"),
+    ("Gated DeltaNet (fla)", r"chunk|gated_delta|solve_tril|recompute_w_u|l2norm|kkt|cumsum|fused_recurrent"),
+    ("cross-entropy", r"cross_entropy|softmax|nll_loss"),
+    ("optimizer (AdamW)", r"adam|multi_tensor"),
+    ("compiled norms and MLPs (Inductor)", r"^triton_"),
+    ("other elementwise and copies", r""),
+]
+
+
+def profile_two_steps(first: int, out: Path):
+    """BENCH: a step hook that profiles rank 0 with torch.profiler from step `first`'s backward to step first+2's
+    (two steps of work: an optimizer step, a whole step, a forward and backward) and writes the CUDA kernel time
+    grouped by KERNEL_KINDS to OUT/profile.json, with the table on stdout. Collectives run on their own streams,
+    overlapping compute: the kinds add up to more than the wall time."""
+    import torch
+
+    state = {}
+
+    def hook(step, model, loss_sum):
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        if step == first:
+            state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            state["profiler"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif step == first + 2 and "profiler" in state:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - state["t0"]
+            state["profiler"].__exit__(None, None, None)
+            kinds = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0)
+            for event in state["profiler"].key_averages():
+                if event.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, event.key, re.IGNORECASE))
+                kinds[kind] += event.self_device_time_total / 1e3
+            total = sum(kinds.values()) or 1.0
+            rows = {k: {"ms": round(v, 1), "share": round(v / total, 4)} for k, v in kinds.items() if v}
+            (out / "profile.json").write_text(json.dumps({"wall_ms": round(1e3 * wall, 1), "kinds": rows}, indent=1))
+            print(f"bench: profile of two steps, {1e3 * wall:,.0f} ms wall, {total:,.0f} ms of kernels", flush=True)
+            for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["ms"]):
+                print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%", flush=True)
 
     return hook
 
@@ -481,6 +539,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe setting (YAML scalar)")
     p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
+    p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")
