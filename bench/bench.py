@@ -137,8 +137,8 @@ KERNEL_KINDS = [
     ("NCCL reduce-scatter", r"reducescatter|reduce_scatter"),
     ("NCCL all-gather", r"allgather|all_gather"),
     ("NCCL, other", r"nccl"),
+    ("attention (flash)", r"flash|fmha"),  # before the GEMMs: FlashAttention's kernels are CUTLASS templates
     ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
-    ("attention (flash)", r"flash|fmha"),
     ("causal-conv1d", r"causal_conv1d"),
     ("Gated DeltaNet (fla)", r"chunk|gated_delta|solve_tril|recompute_w_u|l2norm|kkt|cumsum|fused_recurrent"),
     ("cross-entropy", r"cross_entropy|softmax|nll_loss"),
