@@ -1949,7 +1949,8 @@ class Checkpointer:
         """Called after each step; after the first (AdamW's state exists from then on) it allocates and pins the
         staging buffers in a background thread, so that the first save stalls training for a copy too, not for
         the seconds that allocating and pinning tens of GB take (docs/CHECKPOINTS.md)."""
-        if self.preparing or self.buffers or not self.job.cfg.async_save or self.job.cfg.save_every < 0:
+        cfg, optimizer = self.job.cfg, self.job.optimizer
+        if self.preparing or self.buffers or not optimizer.state or not cfg.async_save or cfg.save_every < 0:
             return
         from torch.distributed.tensor import DTensor
 
