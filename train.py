@@ -99,6 +99,11 @@ def recompute_share(value: str) -> float | None:
     return None if value == "auto" else float(value)
 
 
+def recompute_is_measured(cfg, device: torch.device) -> bool:
+    """activation_checkpointing: auto on a GPU: the first step measures and decides (RecomputeProbe)."""
+    return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
+
+
 def is_recompute_setting(value: str) -> bool:
     try:
         return value == "auto" or 0 <= float(value) <= 1
@@ -1359,7 +1364,7 @@ class RecomputeProbe:
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
-        self.bytes, self.forward = [0] * len(self.layers), [None] * len(self.layers)
+        self.bytes, self.events = [0] * len(self.layers), [None] * len(self.layers)
         # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
         # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
         # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
@@ -1377,7 +1382,7 @@ class RecomputeProbe:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
-            self.forward[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
+            self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
         return checkpoint_func(measured, *args)
@@ -1393,19 +1398,18 @@ class RecomputeProbe:
 
     def after_step(self) -> bool:
         """Decides once the first step has run its layers; True when done."""
-        if None in self.forward:
+        if None in self.events:
             return False
         self.restore()
         torch.cuda.synchronize()
         d, gib = self.job.d, 2**30
-        seconds = [start.elapsed_time(end) / 1e3 for start, end in self.forward]
+        seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
         free, total = torch.cuda.mem_get_info()
         limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
         usable = min(free + torch.cuda.memory_reserved(), limit)
         peak = torch.cuda.max_memory_allocated() + torch.cuda.memory_allocated() - self.before
-        room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak)
+        room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, dtype=torch.float64, device=d.device)
         costs = torch.tensor([*self.bytes, *seconds], dtype=torch.float64, device=d.device)
-        room = room.to(d.device, torch.float64)
         dist.all_reduce(costs, op=dist.ReduceOp.MAX)
         dist.all_reduce(room, op=dist.ReduceOp.MIN)
         n = len(self.layers)
@@ -1614,8 +1618,7 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
     result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
     saved, stopped = progress.step or None, False  # a resumed run starts at a saved step
     checkpoints = Checkpointer(job)
-    auto = recompute_share(cfg.activation_checkpointing) is None and d.device.type == "cuda"
-    probe = RecomputeProbe(job) if auto else None
+    probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else None
     job.model.train()
     while progress.step < total_steps:
         if stop_requested(d):  # before any block of the next step is taken: the checkpoint resumes there
@@ -2230,7 +2233,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         init_random(model, cfg.seed)
     layers = model.get_decoder().layers
     recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
-    if recompute_share(cfg.activation_checkpointing) is None and d.device.type == "cuda":
+    if recompute_is_measured(cfg, d.device):
         recomputed += " until activation_checkpointing auto decides"
     print0(
         d.rank,

@@ -110,8 +110,7 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     """The probe wraps transformers' checkpoint function (FSDP's and other module hooks run outside the checkpoint,
     so they never see the recomputation), and the measured step runs each recomputation to its end (PyTorch
     stops it early by default): every layer is measured twice, and the original checkpoint function is back
-    afterwards. (The memory itself is CUDA's:
-    measured on the GPU, docs/BENCHMARKS.md.)"""
+    afterwards. (The memory itself is CUDA's: measured on the GPU, docs/BENCHMARKS.md.)"""
     records = []
 
     class Event:
@@ -141,6 +140,6 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     n = len(layers)
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
-    assert all(records.index(start) >= 2 * n for start, _ in probe.forward)  # the recomputation's are kept
+    assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
     probe.restore()
     assert [layer._gradient_checkpointing_func for layer in layers] == original
