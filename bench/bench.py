@@ -382,6 +382,24 @@ def geometry_flops(model_config: str) -> dict:
     }
 
 
+def cmd_losses(args) -> None:
+    """Two runs' loss curves side by side (metrics.jsonl): the mean loss per window of steps, and the final loss,
+    e.g. a setting that changes the numerics (float8) against the defaults over the same data."""
+    curves = []
+    for run in (args.a, args.b):
+        records = (json.loads(line) for line in open(Path(run) / "metrics.jsonl"))
+        curves.append({r["step"]: r["loss"] for r in records if "loss" in r and "step" in r})
+    ends = [int(e) for e in args.windows.split(",")]
+    print(f"steps      {Path(args.a).name:>24s} {Path(args.b).name:>24s}   b - a")
+    for lo, hi in zip([1] + [e + 1 for e in ends[:-1]], ends):
+        steps = [s for s in curves[0] if lo <= s <= hi and s in curves[1]]
+        if steps:
+            a, b = (sum(c[s] for s in steps) / len(steps) for c in curves)
+            print(f"{lo:>4d}-{hi:<4d}  {a:24.3f} {b:24.3f}   {b - a:+.3f}")
+    last = max(set(curves[0]) & set(curves[1]))
+    print(f"final ({last}) {curves[0][last]:23.3f} {curves[1][last]:24.3f}   {curves[1][last] - curves[0][last]:+.3f}")
+
+
 def cmd_flops(args) -> None:
     print(json.dumps(geometry_flops(args.model_config), indent=1))
 
@@ -554,6 +572,10 @@ def main() -> None:
     p.add_argument("--out", default="")
     p = sub.add_parser("flops")
     p.add_argument("--model-config", required=True)
+    p = sub.add_parser("losses")
+    p.add_argument("a", help="a run directory (its metrics.jsonl)")
+    p.add_argument("b")
+    p.add_argument("--windows", default="10,25,50,75,100", help="last step of each window")
     args = parser.parse_args()
     {
         "data": cmd_data,
@@ -562,6 +584,7 @@ def main() -> None:
         "layers": cmd_layers,
         "summary": cmd_summary,
         "flops": cmd_flops,
+        "losses": cmd_losses,
     }[args.cmd](args)
 
 
