@@ -60,10 +60,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 import yaml
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 # ------------------------------------------------------------------------------------------------------------
@@ -124,6 +122,7 @@ class Config:
     attn_implementation: str = setting("auto", "attention kernel", one_of(*ATTENTION_BACKENDS), resumable=True)
     master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)", DTYPES)
     param_dtype: str = setting("bfloat16", "compute dtype of FSDP's all-gathered parameters", DTYPES, resumable=True)
+    reduce_dtype: str = setting("float32", "dtype gradients are reduce-scattered over ranks in", DTYPES, resumable=True)
     activation_checkpointing: str = setting(
         "auto",
         "share of decoder layers recomputed in backward; auto: on GPUs, keep the activations of as many layers as "
@@ -1026,8 +1025,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     """The model, sharded, with uninitialised parameters: built on the meta device (no memory), activation
     checkpointing, fully_shard each decoder layer then the root (which keeps the embeddings, final norm,
     LM head and any vision tower), then each rank allocates only its own shards. Parameters are kept in
-    master_dtype, all-gathered in param_dtype, gradients reduced in fp32. VLM-layout checkpoints such as
-    qwen3_5 use their image-text class, so every tensor the checkpoint has is loaded and exported."""
+    master_dtype, all-gathered in param_dtype, gradients reduce-scattered in reduce_dtype. VLM-layout checkpoints
+    such as qwen3_5 use their image-text class, so every tensor the checkpoint has is loaded and exported."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -1047,6 +1046,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
     layers = model.get_decoder().layers
     share = recompute_share(cfg.activation_checkpointing)
     if share is None or share > 0:
@@ -1073,7 +1074,9 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=getattr(torch, cfg.reduce_dtype)
+    )
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -1159,23 +1162,57 @@ def packed_inputs(block: dict) -> dict:
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     """Per-token cross-entropy (fp32) at the block's loss positions, in the order they appear.
 
-    The LM head runs only on positions whose next token is a loss target, chunk_tokens at a time, each chunk
-    recomputed in backward: the full-vocabulary logits of a 32k block (248,320 columns, 16 GB in bf16) are
-    never formed. The hidden state at t predicts labels[t + 1] (labels follow the Hugging Face convention).
+    The LM head runs only on positions whose next token is a loss target, chunk_tokens at a time: the
+    full-vocabulary logits of a 32k block (248,320 columns, 16 GB in bf16) are never formed. With gradients on,
+    HeadLoss computes each chunk's gradients in the forward. The hidden state at t predicts labels[t + 1]
+    (labels follow the Hugging Face convention).
     """
     hidden = model.model(**packed_inputs(block)).last_hidden_state[0]
     targets = block["labels"][0, 1:]
     where = (targets != -100).nonzero().squeeze(1)
+    # A block without loss tokens still goes through HeadLoss, so the graph (and FSDP's backward hooks) stays
+    # connected: its loss is an exact 0, never a NaN.
     head = model.get_output_embeddings()
+    return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled())
 
-    def chunk_loss(h, y):
-        return F.cross_entropy(head(h).float(), y, reduction="none")
 
-    # An empty `where` still gives one empty chunk, so a block without loss tokens keeps the graph (and
-    # FSDP's backward hooks) connected: its loss is an exact 0, never a NaN.
-    return torch.cat(
-        [checkpoint(chunk_loss, hidden[idx], targets[idx], use_reentrant=False) for idx in where.split(chunk_tokens)]
-    )
+class HeadLoss(torch.autograd.Function):
+    """The LM head and cross-entropy over the loss positions, with their gradients computed in the forward.
+
+    Per chunk the forward forms the log-probabilities (fp32), each token's loss, and d loss / d logits =
+    softmax - one-hot, and multiplies that at once into the gradients of the hidden states and of the head's
+    weight; backward only scales them. A chunk's logits are formed once and never kept: checkpointing each chunk
+    instead formed them a second time in backward (the head's matmul again: ~6% of the FLOPs of an 8-layer
+    benchmark step, 1.5% of the 64-layer model's). The weight's gradient is summed over all tokens before
+    backward knows their upstream gradients, so it holds only when every token's loss has the same weight:
+    sum(losses) * a constant, the recipe's one use. backward checks that (without a host sync)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
+        # with_grads: the caller's grad mode (forward itself runs without), off for evaluation
+        losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grads else None
+        grad_weight = torch.zeros_like(weight) if with_grads else None
+        for start in range(0, len(targets), chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h, y = hidden[rows], targets[rows]
+            log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # the chunk's largest tensor
+            losses[rows] = -log_probs.gather(1, y[:, None]).squeeze(1)
+            if with_grads:
+                grad_logits = log_probs.exp_()  # softmax, in place
+                grad_logits[torch.arange(len(y), device=y.device), y] -= 1
+                grad_logits = grad_logits.to(hidden.dtype)
+                grad_hidden[rows] = grad_logits @ weight
+                grad_weight.addmm_(grad_logits.T, h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        torch._assert_async((grad_losses == grad_losses[:1]).all(), "HeadLoss: every token's loss must weigh the same")
+        scale = grad_losses[:1].sum()  # 0 when there are no loss tokens
+        return grad_hidden * grad_losses[:, None].to(grad_hidden.dtype), grad_weight * scale, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1356,23 +1393,22 @@ AUTO_RECOMPUTE_MARGIN = 0.1
 class RecomputeProbe:
     """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while each layer's
     checkpointed forward is measured, in forward and again when backward recomputes it: the memory the
-    recomputation leaves allocated (what the forward saves for backward, and its output) and the time it takes.
-    After that step the ranks agree on the memory left: the device's (or the process's cap), less
-    AUTO_RECOMPUTE_MARGIN of it and what other processes hold, less the step's peak raised by what the step left
-    allocated (AdamW's state, created by the first step); the smallest over the ranks. Then they keep the layers
+    recomputation leaves allocated (what the forward saves for backward; its output, which the next layer's input
+    already holds, is not counted) and the time it takes. The second step still recomputes every layer, as any
+    later step would (the first also compiles and autotunes): its peak, AdamW's state included, is the baseline.
+    After it the ranks agree on the memory left: the device's (or the process's cap), less AUTO_RECOMPUTE_MARGIN
+    of it and what other processes hold, less that peak; the smallest over the ranks. Then they keep the layers
     that save the most time per byte until it is spent."""
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
-        self.bytes, self.events = [0] * len(self.layers), [None] * len(self.layers)
+        self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
         # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
         # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
         # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
-        torch.cuda.reset_peak_memory_stats()
-        self.before = torch.cuda.memory_allocated()
 
     def checkpoint(self, i: int, checkpoint_func, forward, *args):
         def measured(*args):
@@ -1381,35 +1417,39 @@ class RecomputeProbe:
             output = forward(*args)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.bytes[i] = max(self.bytes[i], torch.cuda.memory_allocated() - allocated)  # the recomputation's
+            outputs = output if isinstance(output, tuple) else (output,)
+            kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
+            self.bytes[i] = max(self.bytes[i], kept)  # the recomputation's
             self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
         return checkpoint_func(measured, *args)
 
-    def restore(self) -> None:
-        for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
-            layer._gradient_checkpointing_func = checkpoint_func
-
     def measuring(self):
-        """The context of the measured step. PyTorch stops a recomputation once it has the tensors backward
-        needs, before the layer's forward returns: here it runs to the end, to be measured."""
-        return torch.utils.checkpoint.set_checkpoint_early_stop(False)
+        """The context of a step. In the measured one PyTorch's early stop is off: it would end a recomputation
+        once it has the tensors backward needs, before the layer's forward returns; here it runs to the end."""
+        if self.seconds is None:
+            return torch.utils.checkpoint.set_checkpoint_early_stop(False)
+        return contextlib.nullcontext()
 
     def after_step(self) -> bool:
-        """Decides once the first step has run its layers; True when done."""
+        """Measures once the first step has run its layers, decides after the next; True when done."""
         if None in self.events:
             return False
-        self.restore()
         torch.cuda.synchronize()
+        if self.seconds is None:
+            for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
+                layer._gradient_checkpointing_func = checkpoint_func
+            self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+            torch.cuda.reset_peak_memory_stats()
+            return False
         d, gib = self.job.d, 2**30
-        seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
         free, total = torch.cuda.mem_get_info()
         limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
         usable = min(free + torch.cuda.memory_reserved(), limit)
-        peak = torch.cuda.max_memory_allocated() + torch.cuda.memory_allocated() - self.before
+        peak = torch.cuda.max_memory_allocated()
         room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, dtype=torch.float64, device=d.device)
-        costs = torch.tensor([*self.bytes, *seconds], dtype=torch.float64, device=d.device)
+        costs = torch.tensor([*self.bytes, *self.seconds], dtype=torch.float64, device=d.device)
         dist.all_reduce(costs, op=dist.ReduceOp.MAX)
         dist.all_reduce(room, op=dist.ReduceOp.MIN)
         n = len(self.layers)

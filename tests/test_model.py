@@ -1,5 +1,8 @@
 """The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
 
+import contextlib
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,38 @@ def test_packed_per_token_losses_equal_each_example_alone(model, examples, token
     alone = separate_losses(model, examples, tokenizer.pad_token_id, train.token_losses)
     assert packed.shape == alone.shape and packed.numel() == block["loss_tokens"]
     assert max_rel_err(packed, alone) <= 1e-5
+
+
+def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples, tokenizer):
+    """HeadLoss computes the head's and the hidden states' gradients in its forward. Against autograd through the
+    model's own full logits and F.cross_entropy, in fp32, on a packed block, chunk 7 (many chunks, a short last
+    one), scaled as a training step scales its loss: the losses and every parameter's gradient."""
+    block = packed_block(examples, tokenizer.pad_token_id)
+    targets = block["labels"][0, 1:]
+    grads = {}
+    for name in ("fused", "plain"):
+        model.zero_grad(set_to_none=True)
+        if name == "fused":
+            losses = train.token_losses(model, block, chunk_tokens=7)
+        else:
+            logits = model(**train.packed_inputs(block)).logits[0, :-1][targets != -100]
+            losses = F.cross_entropy(logits.float(), targets[targets != -100], reduction="none")
+        (losses.sum() * 0.37).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads[name]["losses"] = losses.detach()
+    model.zero_grad(set_to_none=True)
+    assert grads["fused"].keys() == grads["plain"].keys() and "lm_head.weight" in grads["fused"]
+    for n, plain in grads["plain"].items():
+        assert (grads["fused"][n] - plain).norm() <= 1e-5 * plain.norm(), n
+
+
+def test_head_loss_refuses_tokens_weighted_differently(model, examples, tokenizer):
+    """The head's weight gradient is summed before backward sees the tokens' weights: unequal ones must fail."""
+    block = packed_block(examples, tokenizer.pad_token_id)
+    losses = train.token_losses(model, block)
+    with pytest.raises(RuntimeError, match="must weigh the same"):
+        (losses * torch.linspace(0.5, 1.5, len(losses))).sum().backward()
+    model.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
@@ -109,9 +144,11 @@ def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
 def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(tiny_model_dir, monkeypatch):
     """The probe wraps transformers' checkpoint function (FSDP's and other module hooks run outside the checkpoint,
     so they never see the recomputation), and the measured step runs each recomputation to its end (PyTorch
-    stops it early by default): every layer is measured twice, and the original checkpoint function is back
-    afterwards. (The memory itself is CUDA's: measured on the GPU, docs/BENCHMARKS.md.)"""
-    records = []
+    stops it early by default): every layer is measured twice, its output (the next layer's input) not counted,
+    and after the step the original checkpoint function is back and the next step runs as any other. (CUDA's
+    memory counter is faked here: each forward "allocates" 1 MB more than it returns; the real memory is
+    measured on the GPU, docs/BENCHMARKS.md.)"""
+    records, allocated = [], itertools.cycle([0, 2**20])
 
     class Event:
         def __init__(self, enable_timing):
@@ -120,9 +157,13 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
         def record(self):
             records.append(self)
 
+        def elapsed_time(self, end):
+            return 1.0
+
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: next(allocated))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -141,5 +182,7 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     n = len(layers)
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
-    probe.restore()
+    assert probe.bytes == [2**20 - ids.numel() * model.config.hidden_size * 4] * n  # less the fp32 output
+    assert probe.after_step() is False  # measured; the decision waits for the next step's peak
     assert [layer._gradient_checkpointing_func for layer in layers] == original
+    assert probe.seconds == [1e-3] * n and isinstance(probe.measuring(), contextlib.nullcontext)
