@@ -295,6 +295,10 @@ def setup_distributed() -> Dist:
     launched = "WORLD_SIZE" in os.environ
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Expandable segments, as workload.yaml sets them, for every way of launching (docs/BENCHMARKS.md: the stalls
+    # without them). Read at CUDA's first allocation; a setting the user made wins.
+    if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -1532,6 +1536,7 @@ class MetricsLog:
             self.window["loss_tokens"] += stats["loss_tokens"]
         flops = 6 * self.n_matmul * stats["tokens"] + self.attn_per_sq * stats["sum_sq_len"]
         self.window.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
+        self.window["data_wait_s"] += stats["data_wait_s"]
         self.grad_norm, self.lr = stats["grad_norm"], stats["lr"]
 
     def flush(self, job: Job) -> float:
@@ -1542,6 +1547,10 @@ class MetricsLog:
         skips = torch.tensor([skipped, skipped + data["conversations"]], device=self.d.device)
         dist.all_reduce(skips)
         dist.all_reduce(self.loss_sum)
+        # A rank that waits for data, or for CUDA's allocator to free its cache and retry, stalls them all.
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.d.device.type == "cuda" else 0
+        stalls = torch.tensor([self.window["data_wait_s"], retries], dtype=torch.float64, device=self.d.device)
+        dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
         cuda = self.d.device.type == "cuda"  # memory: the GPU's peak allocated; on CPU the peak RSS (KiB on Linux)
@@ -1557,6 +1566,8 @@ class MetricsLog:
             "loss_token_fraction": c["loss_tokens"] / capacity,
             "mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None,
             "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib(),
+            "data_wait_s": float(stalls[0]),  # the window's time waiting for blocks, on the rank that waited longest
+            "alloc_retries": int(stalls[1]),  # since the start: CUDA caching-allocator retries, the most on a rank
             "eta_s": (job.total_steps - step) * seconds / c["steps"],
             "skipped_records": int(skips[0]),
             "bad_steps": job.progress.bad_steps,
@@ -1665,7 +1676,9 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             stopped = True
             print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
             break
+        waiting = time.perf_counter()
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
+        waiting = time.perf_counter() - waiting
         with probe.measuring() if probe else contextlib.nullcontext():
             stats = train_step(job, step_blocks, step_hook)
         if probe and probe.after_step():
@@ -1684,7 +1697,7 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             break
         if stats["loss_tokens"] == 0:
             continue
-        log.add(stats)
+        log.add({**stats, "data_wait_s": waiting})
         step = progress.step
         save = checkpoints.due(step) and step < total_steps
         if step % cfg.log_every == 0 or step == total_steps or save:

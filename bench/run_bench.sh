@@ -27,6 +27,8 @@ DATA=$W/ultrachat_x$COPIES.jsonl
 [ -s "$DATA" ] || python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$DATA" --copies "$COPIES" || exit 1
 CFG=bench/configs/qwen3.8-27b-geometry-${LAYERS}layers
 export PYTHONUNBUFFERED=1
+# Both recipes' workloads set expandable segments; a value given here (e.g. expandable_segments:False) wins.
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 for SEQ in $SEQS; do
   SEED_RC=1
   for KIND in ${BENCH_KINDS:-ours seed}; do
