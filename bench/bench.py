@@ -78,6 +78,10 @@ def cmd_ours(args) -> None:
     import train
 
     lift_fla_hopper_guard()
+    if os.environ.get("BENCH_GC") == "off":  # does Python's garbage collector stall steps?
+        import gc
+
+        gc.disable()
     if os.environ.get("BENCH_MEMORY_CAP_GIB"):  # e.g. 80: can an 80 GB GPU (H100) take this run?
         import torch
 
@@ -168,18 +172,21 @@ def profile_two_steps(first: int, out: Path):
             torch.cuda.synchronize()
             wall = time.perf_counter() - state["t0"]
             state["profiler"].__exit__(None, None, None)
-            kinds = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0)
+            kinds, kernels = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}
             for event in state["profiler"].key_averages():
                 if event.device_type != torch.autograd.DeviceType.CUDA:
                     continue
                 kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, event.key, re.IGNORECASE))
                 kinds[kind] += event.self_device_time_total / 1e3
+                kernels[event.key] = (event.self_device_time_total / 1e3, event.count)
             total = sum(kinds.values()) or 1.0
             rows = {k: {"ms": round(v, 1), "share": round(v / total, 4)} for k, v in kinds.items() if v}
             (out / "profile.json").write_text(json.dumps({"wall_ms": round(1e3 * wall, 1), "kinds": rows}, indent=1))
             print(f"bench: profile of two steps, {1e3 * wall:,.0f} ms wall, {total:,.0f} ms of kernels", flush=True)
             for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%", flush=True)
+            for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:10]:
+                print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}", flush=True)
 
     return hook
 
