@@ -1392,6 +1392,8 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
 # The share of a GPU's memory that activation_checkpointing: auto leaves unplanned: fragmentation, and peaks the
 # first step does not show (NCCL's buffers grow with use, an eval's batch).
 AUTO_RECOMPUTE_MARGIN = 0.1
+# Steps in a row without an allocator retry that end auto's watch (RecomputeProbe.watch).
+AUTO_RECOMPUTE_WATCH_STEPS = 10
 
 
 class RecomputeProbe:
@@ -1402,11 +1404,12 @@ class RecomputeProbe:
     later step would (the first also compiles and autotunes): its peak, AdamW's state included, is the baseline.
     After it the ranks agree on the memory left: the device's (or the process's cap), less AUTO_RECOMPUTE_MARGIN
     of it and what other processes hold, less that peak; the smallest over the ranks. Then they keep the layers
-    that save the most time per byte until it is spent."""
+    that save the most time per byte until it is spent, and watch the next steps for allocator retries (watch)."""
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
+        self.kept, self.retries, self.clean_steps = None, 0, 0
         # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
         # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
         # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
@@ -1437,16 +1440,22 @@ class RecomputeProbe:
         return contextlib.nullcontext()
 
     def after_step(self) -> bool:
-        """Measures once the first step has run its layers, decides after the next; True when done."""
-        if None in self.events:
+        """Step 1 measures, step 2 decides, then it watches; True when done."""
+        if None in self.events:  # no layer has run yet (a step with nothing to learn)
             return False
-        torch.cuda.synchronize()
         if self.seconds is None:
+            torch.cuda.synchronize()
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
             torch.cuda.reset_peak_memory_stats()
             return False
+        if self.kept is None:
+            self.decide()
+            return False
+        return self.watch()
+
+    def decide(self) -> None:
         d, gib = self.job.d, 2**30
         free, total = torch.cuda.mem_get_info()
         limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
@@ -1458,27 +1467,46 @@ class RecomputeProbe:
         dist.all_reduce(room, op=dist.ReduceOp.MIN)
         n = len(self.layers)
         sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
-        kept = layers_to_keep(sizes, seconds, room.item())
-        for i in kept:
+        self.kept = layers_to_keep(sizes, seconds, room.item())
+        for i in self.kept:
             self.layers[i].gradient_checkpointing = False
+        self.retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
         print0(
             d.rank,
-            f"activation_checkpointing auto: keeping the activations of {len(kept)} of {n} layers "
-            f"{kept} ({sum(sizes[i] for i in kept) / gib:.1f} GiB; measured {each}), recomputing the "
-            f"rest; expected peak {(peak + sum(sizes[i] for i in kept)) / gib:.1f} GiB of {limit / gib:.1f}",
+            f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers "
+            f"{sorted(self.kept)} ({sum(sizes[i] for i in self.kept) / gib:.1f} GiB; measured {each}), recomputing "
+            f"the rest; expected peak {(peak + sum(sizes[i] for i in self.kept)) / gib:.1f} GiB of {limit / gib:.1f}",
         )
-        return True
+
+    def watch(self) -> bool:
+        """After a step in which CUDA's caching allocator ran out on any rank (it then frees its cache and retries
+        the allocation: ~0.1 s each, docs/BENCHMARKS.md), the kept layer that saves the least time per byte is
+        recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without."""
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        new = torch.tensor(retries - self.retries, device=self.job.d.device)
+        dist.all_reduce(new, op=dist.ReduceOp.MAX)
+        self.retries, self.clean_steps = retries, self.clean_steps + 1
+        if new.item() and self.kept:
+            layer = self.kept.pop()
+            self.layers[layer].gradient_checkpointing = True
+            self.clean_steps = 0
+            print0(
+                self.job.d.rank,
+                f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations: "
+                f"recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}",
+            )
+        return self.clean_steps >= AUTO_RECOMPUTE_WATCH_STEPS
 
 
 def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> list[int]:
-    """The layers whose activations to keep: the most recompute time saved per byte first, while room lasts."""
+    """The layers whose activations to keep, the most recompute time saved per byte first, while room lasts."""
     kept = []
     for i in sorted(range(len(sizes)), key=lambda i: -seconds[i] / max(sizes[i], 1)):
         if sizes[i] <= room:
             kept.append(i)
             room -= sizes[i]
-    return sorted(kept)
+    return kept
 
 
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
