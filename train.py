@@ -1962,7 +1962,7 @@ class Checkpointer:
 
     def __init__(self, job: Job):
         self.job, self.pending, self.last, self.buffers, self.preparing = job, None, time.monotonic(), {}, None
-        if job.cfg.async_save:
+        if job.cfg.async_save and job.cfg.save_every >= 0:
             self.group = dist.new_group(backend="gloo")
             # The staged copy in host memory, per rank and per node (weights, and AdamW's two moments of the
             # trained ones), stated against the node's memory.
