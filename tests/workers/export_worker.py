@@ -35,4 +35,7 @@ with torch.no_grad():
 if d.rank == 0:
     torch.save({"params": params, "buffers": buffers, "input_ids": input_ids, "logits": logits}, out / "fsdp.pt")
 train.export_hf(model, train.load_tokenizer(cfg), source, dtypes, cfg, d)
+# Both ranks tear gloo down together (rank 0 may still be saving): suspected cause of a rare abort at exit
+# without this barrier, 'terminate called without an active exception' (CI, 2026-11-30).
+dist.barrier()
 dist.destroy_process_group()

@@ -28,4 +28,7 @@ if d.rank == 0:
     checkpointed = [layer.gradient_checkpointing for layer in model.get_decoder().layers]
     result = {"loss": loss_sum.item() / loss_tokens, "grads": grads, "n_micro": n_micro, "checkpointed": checkpointed}
     torch.save(result, out_file)
+# Both ranks tear gloo down together (rank 0 may still be saving): suspected cause of a rare abort at exit
+# without this barrier, 'terminate called without an active exception' (CI, 2026-11-30).
+dist.barrier()
 dist.destroy_process_group()
