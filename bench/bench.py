@@ -448,6 +448,9 @@ def ours_numbers(run: Path, launch: float) -> dict:
             tok_s_gpu=sum(r["tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
             loss_tok_s_gpu=sum(r["loss_tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
             mfu_recipe=sum((r["mfu"] or 0) * dt for r, dt in timed) / seconds,
+            # Over the timed steps: a pack buffer's last block is sparse, and a short window that meets one reads
+            # tokens/s low (docs/BENCHMARKS.md, "Fourth round")
+            fill=sum(r["non_padding_fraction"] for r, _ in timed) / len(timed),
             world=world,
         )
     return out
@@ -493,13 +496,15 @@ def cmd_summary(args) -> None:
         if key not in flops:
             flops[key] = geometry_flops(str(ROOT / "bench" / "configs" / f"qwen3.8-27b-geometry-{key}layers"))
         f = flops[key]
+        if r["kind"] == "seed":
+            r["fill"] = 1.0  # the seed concatenates conversations and splits them across blocks: no padding
         if r.get("s_step"):
             r["block_tok_s_gpu"] = r["seq_len"] / r["s_step"]  # every token of the block, padding included
             # The same formula for both: 6 N per token trained (no attention / GDN term), dense bf16 peak.
             r["mfu_6N"] = f["flops_per_token_6N"] * r["tok_s_gpu"] / PEAK_BF16_FLOPS
     header = (
         f"{'run':<5} {'variant':<14} {'GPUs':>4} {'layers':>6} {'block':>6} {'tok/s/GPU':>10} {'loss tok/s':>10} "
-        f"{'s/step':>7} {'MFU 6N':>7} {'MFU rcp':>7} {'peak GiB':>8} {'1st step s':>10}  note"
+        f"{'s/step':>7} {'fill':>6} {'MFU 6N':>7} {'MFU rcp':>7} {'peak GiB':>8} {'1st step s':>10}  note"
     )
     print(header)
 
@@ -510,8 +515,8 @@ def cmd_summary(args) -> None:
         print(
             f"{r['kind']:<5} {r['variant']:<14} {r['gpus']:>4} {r['layers']:>6} {r['seq_len']:>6} "
             f"{num(r, 'tok_s_gpu', ',.0f'):>10} {num(r, 'loss_tok_s_gpu', ',.0f'):>10} {num(r, 's_step', '.3f'):>7} "
-            f"{num(r, 'mfu_6N', '.1%'):>7} {num(r, 'mfu_recipe', '.1%'):>7} {num(r, 'peak_mem_gib', '.1f'):>8} "
-            f"{num(r, 'first_step_s', '.0f'):>10}  "
+            f"{num(r, 'fill', '.1%'):>6} {num(r, 'mfu_6N', '.1%'):>7} {num(r, 'mfu_recipe', '.1%'):>7} "
+            f"{num(r, 'peak_mem_gib', '.1f'):>8} {num(r, 'first_step_s', '.0f'):>10}  "
             f"{r.get('error', '')}"
         )
     ratios = []
