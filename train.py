@@ -98,7 +98,7 @@ def recompute_share(value: str) -> float | None:
 
 
 def recompute_is_measured(cfg, device: torch.device) -> bool:
-    """activation_checkpointing: auto on a GPU: the first step measures and decides (RecomputeProbe)."""
+    """activation_checkpointing: auto on a GPU: the first steps measure and decide (RecomputeProbe)."""
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
@@ -126,7 +126,7 @@ class Config:
     activation_checkpointing: str = setting(
         "auto",
         "share of decoder layers recomputed in backward; auto: on GPUs, keep the activations of as many layers as "
-        "the memory left after the first step holds, the most time saved per GiB first (1.0 elsewhere)",
+        "the memory left after the second step holds, the most time saved per GiB first (1.0 elsewhere)",
         (is_recompute_setting, "auto, or a share in [0, 1]"),
         resumable=True,
     )
@@ -1058,7 +1058,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
         # all-gather its parameters a second time outside FSDP's bookkeeping. A fraction f < 1 recomputes an
         # evenly spread f of the layers; the others keep their activations (docs/BENCHMARKS.md: GiB per layer).
-        # auto starts with every layer recomputed; RecomputeProbe keeps layers' activations after the first step.
+        # auto starts with every layer recomputed; RecomputeProbe keeps layers' activations after the second step.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         n = len(layers)
         k = round((1.0 if share is None else share) * n)  # layers recomputed; integer arithmetic spreads them
@@ -1203,11 +1203,15 @@ class HeadLoss(torch.autograd.Function):
             log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # the chunk's largest tensor
             losses[rows] = -log_probs.gather(1, y[:, None]).squeeze(1)
             if with_grads:
-                grad_logits = log_probs.exp_()  # softmax, in place
-                grad_logits[torch.arange(len(y), device=y.device), y] -= 1
-                grad_logits = grad_logits.to(hidden.dtype)
+                softmax = log_probs.exp_()  # in place: the same tensor
+                softmax[torch.arange(len(y), device=y.device), y] -= 1
+                grad_logits = softmax.to(hidden.dtype)
                 grad_hidden[rows] = grad_logits @ weight
                 grad_weight.addmm_(grad_logits.T, h)
+                del softmax, grad_logits
+            # Freed before the next chunk allocates its own: the peak holds one chunk's tensors, not two (at 4,096
+            # tokens and a 248k vocabulary, 4 GB in fp32 and 2 GB in bf16).
+            del log_probs
         ctx.save_for_backward(grad_hidden, grad_weight)
         return losses
 
@@ -1216,7 +1220,9 @@ class HeadLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         torch._assert_async((grad_losses == grad_losses[:1]).all(), "HeadLoss: every token's loss must weigh the same")
         scale = grad_losses[:1].sum()  # 0 when there are no loss tokens
-        return grad_hidden * grad_losses[:, None].to(grad_hidden.dtype), grad_weight * scale, None, None, None
+        # In place: no second copy of the head's gradient (2.5 GB for the 27B). A second backward through the same
+        # graph (retain_graph) would fail autograd's check that saved tensors are unchanged, not double-scale.
+        return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), None, None, None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1389,8 +1395,8 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
     return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm, "lr": lr}
 
 
-# The share of a GPU's memory that activation_checkpointing: auto leaves unplanned: fragmentation, and peaks the
-# first step does not show (NCCL's buffers grow with use, an eval's batch).
+# The share of a GPU's memory that activation_checkpointing: auto leaves unplanned: fragmentation, and peaks its
+# baseline step does not show (NCCL's buffers grow with use, an eval's batch).
 AUTO_RECOMPUTE_MARGIN = 0.1
 # Steps in a row without an allocator retry that end auto's watch (RecomputeProbe.watch).
 AUTO_RECOMPUTE_WATCH_STEPS = 10
@@ -1409,7 +1415,7 @@ class RecomputeProbe:
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
-        self.kept, self.retries, self.clean_steps = None, 0, 0
+        self.kept, self.retries, self.clean_steps, self.reset_peak = None, 0, 0, False
         # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
         # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
         # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
@@ -1435,20 +1441,25 @@ class RecomputeProbe:
     def measuring(self):
         """The context of a step. In the measured one PyTorch's early stop is off: it would end a recomputation
         once it has the tensors backward needs, before the layer's forward returns; here it runs to the end."""
+        if self.reset_peak:  # the baseline's peak starts here, after the measured step's log line read its own
+            torch.cuda.reset_peak_memory_stats()
+            self.reset_peak = False
         if self.seconds is None:
             return torch.utils.checkpoint.set_checkpoint_early_stop(False)
         return contextlib.nullcontext()
 
-    def after_step(self) -> bool:
-        """Step 1 measures, step 2 decides, then it watches; True when done."""
-        if None in self.events:  # no layer has run yet (a step with nothing to learn)
+    def after_step(self, stepped: bool) -> bool:
+        """Step 1 measures, step 2 decides, then it watches; True when done. Only steps that stepped the optimizer
+        count (every rank agrees on which): one with nothing to learn runs no layer, and one skipped as non-finite
+        may leave AdamW's state, which the baseline must hold, still to be created."""
+        if not stepped:
             return False
         if self.seconds is None:
             torch.cuda.synchronize()
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
-            torch.cuda.reset_peak_memory_stats()
+            self.reset_peak = True
             return False
         if self.kept is None:
             self.decide()
@@ -1482,7 +1493,8 @@ class RecomputeProbe:
     def watch(self) -> bool:
         """After a step in which CUDA's caching allocator ran out on any rank (it then frees its cache and retries
         the allocation: ~0.1 s each, docs/BENCHMARKS.md), the kept layer that saves the least time per byte is
-        recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without."""
+        recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between steps (a
+        log line, an eval, a save) count toward the next step."""
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         new = torch.tensor(retries - self.retries, device=self.job.d.device)
         dist.all_reduce(new, op=dist.ReduceOp.MAX)
@@ -1709,7 +1721,7 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
         waiting = time.perf_counter() - waiting
         with probe.measuring() if probe else contextlib.nullcontext():
             stats = train_step(job, step_blocks, step_hook)
-        if probe and probe.after_step():
+        if probe and probe.after_step(stepped=stats.get("loss_sum") is not None):
             probe = None
         checkpoints.poll()
         checkpoints.prepare()

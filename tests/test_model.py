@@ -75,6 +75,37 @@ def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples,
         assert (grads["fused"][n] - plain).norm() <= 1e-5 * plain.norm(), n
 
 
+def test_head_loss_with_tied_embeddings_sums_both_uses_of_the_weight():
+    """A model whose LM head is its embedding matrix: the head's gradient from HeadLoss and the embedding's from
+    the input side add up to autograd's through full logits (fp32, a fresh 2-layer model, chunk 7)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).float()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 300, (1, 50))
+    labels = ids.clone()
+    labels[0, :10] = -100
+    block = train.make_block([(ids[0].tolist(), (labels[0] != -100).tolist())], 50, pad_id=0)
+    targets = block["labels"][0, 1:]
+    grads = {}
+    for name in ("fused", "plain"):
+        model.zero_grad(set_to_none=True)
+        if name == "fused":
+            losses = train.token_losses(model, block, chunk_tokens=7)
+        else:
+            logits = model(**train.packed_inputs(block)).logits[0, :-1][targets != -100]
+            losses = F.cross_entropy(logits.float(), targets[targets != -100], reduction="none")
+        (losses.sum() * 0.3).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n, plain in grads["plain"].items():
+        assert (grads["fused"][n] - plain).norm() <= 1e-5 * plain.norm(), n
+
+
 def test_head_loss_refuses_tokens_weighted_differently(model, examples, tokenizer):
     """The head's weight gradient is summed before backward sees the tokens' weights: unequal ones must fail."""
     block = packed_block(examples, tokenizer.pad_token_id)
@@ -183,7 +214,8 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
     assert probe.bytes == [2**20 - ids.numel() * model.config.hidden_size * 4] * n  # less the fp32 output
-    assert probe.after_step() is False  # measured; the decision waits for the next step's peak
+    assert probe.after_step(stepped=False) is False and probe.seconds is None  # a skipped step does not count
+    assert probe.after_step(stepped=True) is False  # measured; the decision waits for the next step's peak
     assert [layer._gradient_checkpointing_func for layer in layers] == original
     assert probe.seconds == [1e-3] * n and isinstance(probe.measuring(), contextlib.nullcontext)
 
