@@ -52,11 +52,10 @@ def test_packed_per_token_losses_equal_each_example_alone(model, examples, token
     assert max_rel_err(packed, alone) <= 1e-5
 
 
-def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples, tokenizer):
-    """HeadLoss computes the head's and the hidden states' gradients in its forward. Against autograd through the
-    model's own full logits and F.cross_entropy, in fp32, on a packed block, chunk 7 (many chunks, a short last
-    one), scaled as a training step scales its loss: the losses and every parameter's gradient."""
-    block = packed_block(examples, tokenizer.pad_token_id)
+def assert_head_loss_matches_full_logits(model, block):
+    """token_losses (HeadLoss, chunk 7: many chunks, a short last one) against autograd through the model's own
+    full logits and F.cross_entropy, each scaled as a training step scales its loss: the losses and every
+    parameter's gradient, in fp32."""
     targets = block["labels"][0, 1:]
     grads = {}
     for name in ("fused", "plain"):
@@ -70,14 +69,19 @@ def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples,
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         grads[name]["losses"] = losses.detach()
     model.zero_grad(set_to_none=True)
-    assert grads["fused"].keys() == grads["plain"].keys() and "lm_head.weight" in grads["fused"]
+    assert grads["fused"].keys() == grads["plain"].keys() == {*dict(model.named_parameters()), "losses"}
     for n, plain in grads["plain"].items():
         assert (grads["fused"][n] - plain).norm() <= 1e-5 * plain.norm(), n
 
 
+def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples, tokenizer):
+    """HeadLoss computes the head's and the hidden states' gradients in its forward, on a packed block."""
+    assert_head_loss_matches_full_logits(model, packed_block(examples, tokenizer.pad_token_id))
+
+
 def test_head_loss_with_tied_embeddings_sums_both_uses_of_the_weight():
-    """A model whose LM head is its embedding matrix: the head's gradient from HeadLoss and the embedding's from
-    the input side add up to autograd's through full logits (fp32, a fresh 2-layer model, chunk 7)."""
+    """A model whose LM head is its embedding matrix (a fresh 2-layer model): the head's gradient from HeadLoss
+    and the embedding's from the input side add up to autograd's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -87,23 +91,8 @@ def test_head_loss_with_tied_embeddings_sums_both_uses_of_the_weight():
     )  # fmt: skip
     model = LlamaForCausalLM(config).float()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    ids = torch.randint(0, 300, (1, 50))
-    labels = ids.clone()
-    labels[0, :10] = -100
-    block = train.make_block([(ids[0].tolist(), (labels[0] != -100).tolist())], 50, pad_id=0)
-    targets = block["labels"][0, 1:]
-    grads = {}
-    for name in ("fused", "plain"):
-        model.zero_grad(set_to_none=True)
-        if name == "fused":
-            losses = train.token_losses(model, block, chunk_tokens=7)
-        else:
-            logits = model(**train.packed_inputs(block)).logits[0, :-1][targets != -100]
-            losses = F.cross_entropy(logits.float(), targets[targets != -100], reduction="none")
-        (losses.sum() * 0.3).backward()
-        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for n, plain in grads["plain"].items():
-        assert (grads["fused"][n] - plain).norm() <= 1e-5 * plain.norm(), n
+    ids = torch.randint(0, 300, (50,)).tolist()
+    assert_head_loss_matches_full_logits(model, train.make_block([(ids, [False] * 10 + [True] * 40)], 50, pad_id=0))
 
 
 def test_head_loss_refuses_tokens_weighted_differently(model, examples, tokenizer):
