@@ -1267,6 +1267,11 @@ def rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak; KiB on Linux
 
 
+def alloc_retries() -> int:
+    """How often CUDA's caching allocator has run out, freed its cache and retried, since the start."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
 def filler_block(pad_id: int) -> dict:
     """What a rank whose data has run out feeds the model while other ranks still train: FSDP's collectives
     need every rank in every forward and backward. It has no loss tokens, so its loss and gradient are 0."""
@@ -1481,7 +1486,7 @@ class RecomputeProbe:
         self.kept = layers_to_keep(sizes, seconds, room.item())
         for i in self.kept:
             self.layers[i].gradient_checkpointing = False
-        self.retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        self.retries = alloc_retries()
         each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
         print0(
             d.rank,
@@ -1495,7 +1500,7 @@ class RecomputeProbe:
         the allocation: ~0.1 s each, docs/BENCHMARKS.md), the kept layer that saves the least time per byte is
         recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between steps (a
         log line, an eval, a save) count toward the next step."""
-        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        retries = alloc_retries()
         new = torch.tensor(retries - self.retries, device=self.job.d.device)
         dist.all_reduce(new, op=dist.ReduceOp.MAX)
         self.retries, self.clean_steps = retries, self.clean_steps + 1
@@ -1588,7 +1593,7 @@ class MetricsLog:
         dist.all_reduce(skips)
         dist.all_reduce(self.loss_sum)
         # A rank that waits for data, or for CUDA's allocator to free its cache and retry, stalls them all.
-        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.d.device.type == "cuda" else 0
+        retries = alloc_retries() if self.d.device.type == "cuda" else 0
         stalls = torch.tensor([self.window["data_wait_s"], retries], dtype=torch.float64, device=self.d.device)
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
