@@ -14,6 +14,11 @@ Both recipes' random weights are created on the GPU; everything after that is ea
   summary WORK              reads WORK/runs.tsv (one line per run, written by run_bench.sh), prints the table
                             and writes WORK/summary.json
   flops --model-config DIR  FLOPs per token of the geometry: the recipe's MFU terms and the Gated DeltaNet term
+  losses RUN_A RUN_B        two runs' mean loss per window of steps, and their final losses
+  steps RUN [RUN ...]       each run's steps (tok/s/GPU, fill, allocator retries) and its mean over the timed steps
+                            whose blocks are full
+  packing --tokenizer DIR --data FILE --seq-len N --ranks N
+                            on CPU, no model: the recipe's packing of the data, each rank's blocks and their fill
 
 Steady state: steps 1 and 2 are warm-up; averages are over steps >= 3 (the seed's BENCH_WARMUP=2 does the same).
 """
@@ -407,6 +412,53 @@ def cmd_losses(args) -> None:
     print(f"final ({last}) {curves[0][last]:23.3f} {curves[1][last]:24.3f}   {curves[1][last] - curves[0][last]:+.3f}")
 
 
+FULL_BLOCK = 0.95  # a step whose blocks are this full counts as full (a pack buffer's last block is far emptier)
+
+
+def cmd_steps(args) -> None:
+    """Per step, from metrics.jsonl: tokens/s/GPU, non-padding fraction, allocator retries so far; then the mean
+    tokens/s over the timed steps with full blocks, which a short window that meets a sparse block understates."""
+    for run in args.runs:
+        steps = [json.loads(line) for line in open(Path(run) / "metrics.jsonl")]
+        steps = [r for r in steps if "tokens_per_s_per_gpu" in r]
+        print(Path(run).name)
+        for r in steps:
+            print(
+                f"  step {r['step']:4d}  {r['tokens_per_s_per_gpu']:9,.0f} tok/s/GPU  "
+                f"fill {r['non_padding_fraction']:6.1%}  retries {r.get('alloc_retries', '-')}"
+            )
+        full = [
+            r["tokens_per_s_per_gpu"]
+            for r in steps
+            if r["step"] > WARMUP_STEPS and r["non_padding_fraction"] > FULL_BLOCK
+        ]
+        if full:
+            print(f"  mean over {len(full)} timed steps with full blocks: {sum(full) / len(full):,.0f} tok/s/GPU")
+
+
+def cmd_packing(args) -> None:
+    """The recipe's PackedBlocks (best-fit decreasing per pack buffer, one DataLoader worker's stream per rank)
+    over the data, on CPU: each rank's block count, mean fill, and the blocks under FULL_BLOCK, by position."""
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    import train
+
+    cfg = train.Config(model_name="-", dataset_name=args.data, max_seq_len=args.seq_len, num_workers=0)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    for rank in range(args.ranks):
+        fills = [
+            block["tokens"] / args.seq_len
+            for block in train.PackedBlocks(cfg, tokenizer, "train", rank, args.ranks, epochs=1)
+            if "input_ids" in block
+        ]
+        sparse = ", ".join(f"block {i + 1}: {f:.0%}" for i, f in enumerate(fills) if f < FULL_BLOCK)
+        print(
+            f"rank {rank}: {len(fills)} blocks, mean fill {sum(fills) / len(fills):.1%}; "
+            f"under {FULL_BLOCK:.0%}: {sparse}"
+        )
+
+
 def cmd_flops(args) -> None:
     print(json.dumps(geometry_flops(args.model_config), indent=1))
 
@@ -588,6 +640,13 @@ def main() -> None:
     p.add_argument("a", help="a run directory (its metrics.jsonl)")
     p.add_argument("b")
     p.add_argument("--windows", default="10,25,50,75,100", help="last step of each window")
+    p = sub.add_parser("steps")
+    p.add_argument("runs", nargs="+", help="run directories (their metrics.jsonl)")
+    p = sub.add_parser("packing")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     {
         "data": cmd_data,
@@ -597,6 +656,8 @@ def main() -> None:
         "summary": cmd_summary,
         "flops": cmd_flops,
         "losses": cmd_losses,
+        "steps": cmd_steps,
+        "packing": cmd_packing,
     }[args.cmd](args)
 
 
