@@ -17,6 +17,8 @@ Both recipes' random weights are created on the GPU; everything after that is ea
   losses RUN_A RUN_B        two runs' mean loss per window of steps, and their final losses
   steps RUN [RUN ...]       each run's steps (tok/s/GPU, fill, allocator retries) and its mean over the timed steps
                             whose blocks are full
+  profile RUN [RUN ...]     a run made with --profile-from, summarised again from its trace: GPU time by kind, the
+                            longest kernels, the compute stream's idle gaps and the host calls before each
   packing --tokenizer DIR --data FILE --seq-len N --ranks N
                             on CPU, no model: the recipe's packing of the data, each rank's blocks and their fill
 
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -149,7 +152,7 @@ KERNEL_KINDS = [
     ("attention (flash)", r"flash|fmha"),  # before the GEMMs: FlashAttention's kernels are CUTLASS templates
     ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("causal-conv1d", r"causal_conv1d"),
-    ("Gated DeltaNet (fla)", r"chunk|gated_delta|solve_tril|recompute_w_u|l2norm|kkt|cumsum|fused_recurrent"),
+    ("Gated DeltaNet (fla)", r"chunk|gated_delta|solve_tril|recompute_w_u|l2norm|kkt|cumsum|fused_recurrent|qla"),
     ("cross-entropy", r"cross_entropy|softmax|nll_loss"),
     ("optimizer (AdamW)", r"adam|multi_tensor"),
     ("compiled norms and MLPs (Inductor)", r"^triton_"),
@@ -159,9 +162,8 @@ KERNEL_KINDS = [
 
 def profile_two_steps(first: int, out: Path):
     """BENCH: a step hook that profiles rank 0 with torch.profiler from step `first`'s backward to step first+2's
-    (two steps of work: an optimizer step, a whole step, a forward and backward) and writes the CUDA kernel time
-    grouped by KERNEL_KINDS to OUT/profile.json, with the table on stdout. Collectives run on their own streams,
-    overlapping compute: the kinds add up to more than the wall time."""
+    (two steps of work: an optimizer step, a whole step, a forward and backward), writes the trace to
+    OUT/trace.json.gz and its summary (summarise_trace) to OUT/profile.json, with the tables on stdout."""
     import torch
 
     state = {}
@@ -170,30 +172,69 @@ def profile_two_steps(first: int, out: Path):
         if int(os.environ.get("RANK", "0")) != 0:
             return
         if step == first:
-            state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            state["profiler"] = torch.profiler.profile(activities=activities)
             state["profiler"].__enter__()
             state["t0"] = time.perf_counter()
         elif step == first + 2 and "profiler" in state:
             torch.cuda.synchronize()
-            wall = time.perf_counter() - state["t0"]
+            wall_ms = 1e3 * (time.perf_counter() - state["t0"])
             state["profiler"].__exit__(None, None, None)
-            kinds, kernels = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}
-            for event in state["profiler"].key_averages():
-                if event.device_type != torch.autograd.DeviceType.CUDA:
-                    continue
-                kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, event.key, re.IGNORECASE))
-                kinds[kind] += event.self_device_time_total / 1e3
-                kernels[event.key] = (event.self_device_time_total / 1e3, event.count)
-            total = sum(kinds.values()) or 1.0
-            rows = {k: {"ms": round(v, 1), "share": round(v / total, 4)} for k, v in kinds.items() if v}
-            (out / "profile.json").write_text(json.dumps({"wall_ms": round(1e3 * wall, 1), "kinds": rows}, indent=1))
-            print(f"bench: profile of two steps, {1e3 * wall:,.0f} ms wall, {total:,.0f} ms of kernels", flush=True)
-            for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["ms"]):
-                print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%", flush=True)
-            for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:10]:
-                print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}", flush=True)
+            trace = out / "trace.json"
+            state["profiler"].export_chrome_trace(str(trace))
+            summary = summarise_trace(json.loads(trace.read_text())["traceEvents"], wall_ms)
+            (out / "profile.json").write_text(json.dumps(summary, indent=1))
+            subprocess.run(["gzip", "-f", str(trace)], check=False)
 
     return hook
+
+
+def summarise_trace(events: list, wall_ms: float, shown: int = 10) -> dict:
+    """A chrome trace's GPU time: kernels (and copies) grouped by KERNEL_KINDS, the longest kernels, and the
+    compute stream's idle gaps over 0.2 ms, each with the host calls that returned within 1 ms after it began (a
+    sync such as .item() returns once the GPU has caught up; what the host does next is the gap). Collectives run
+    on streams of their own, overlapping compute: the kinds add up to more than the wall time."""
+    on_gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kinds, kernels, by_stream = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}, {}
+    for e in on_gpu:
+        kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, e["name"], re.IGNORECASE))
+        kinds[kind] += e["dur"] / 1e3
+        ms, count = kernels.get(e["name"], (0.0, 0))
+        kernels[e["name"]] = (ms + e["dur"] / 1e3, count + 1)
+        if not kind.startswith("NCCL"):
+            by_stream[e["tid"]] = by_stream.get(e["tid"], 0.0) + e["dur"] / 1e3
+    stream = max(by_stream, key=by_stream.get)  # the compute stream: the most non-collective time
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in on_gpu if e["tid"] == stream)
+    gaps, end = [], spans[0][1]
+    for start, stop in spans[1:]:
+        if start - end > 200:  # microseconds
+            gaps.append((end, start))
+        end = max(end, stop)
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime") and "dur" in e]
+    total = sum(kinds.values()) or 1.0
+    summary = {
+        "wall_ms": round(wall_ms, 1),
+        "kernel_ms": round(total, 1),
+        "compute_stream_busy": round(by_stream[stream] / wall_ms, 4),
+        "idle_gaps_ms": round(sum(b - a for a, b in gaps) / 1e3, 1),
+        "copies_to_host": sum(count for name, (_, count) in kernels.items() if "DtoH" in name),
+        "kinds": {k: {"ms": round(v, 1), "share": round(v / total, 4)} for k, v in kinds.items() if v},
+    }
+    print(
+        f"bench: profile of two steps, {wall_ms:,.0f} ms wall, {total:,.0f} ms of kernels; compute stream busy "
+        f"{summary['compute_stream_busy']:.1%} of the wall time, {len(gaps)} idle gaps over 0.2 ms "
+        f"({summary['idle_gaps_ms']} ms), {summary['copies_to_host']} copies to the host",
+        flush=True,
+    )
+    for k, v in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%")
+    for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:shown]:
+        print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}")
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:shown]:
+        returned = sorted({e["name"] for e in host if a - 50 <= e["ts"] + e["dur"] <= a + 1000})
+        at = f"{(b - a) / 1e3:5.1f} ms at +{(a - spans[0][0]) / 1e3:7.1f} ms"
+        print(f"bench: profile idle {at} after {', '.join(returned)[:140]}")
+    return summary
 
 
 def cmd_seed(args) -> None:
@@ -413,6 +454,17 @@ def cmd_losses(args) -> None:
 
 
 FULL_BLOCK = 0.95  # a step whose blocks are this full counts as full (a pack buffer's last block is far emptier)
+
+
+def cmd_profile(args) -> None:
+    """The profile of a run made with --profile-from, summarised again from its trace.json.gz."""
+    import gzip
+
+    for run in args.runs:
+        print(Path(run).name)
+        wall_ms = json.loads((Path(run) / "profile.json").read_text())["wall_ms"]
+        with gzip.open(Path(run) / "trace.json.gz") as f:
+            summarise_trace(json.load(f)["traceEvents"], wall_ms)
 
 
 def cmd_steps(args) -> None:
@@ -642,6 +694,8 @@ def main() -> None:
     p.add_argument("--windows", default="10,25,50,75,100", help="last step of each window")
     p = sub.add_parser("steps")
     p.add_argument("runs", nargs="+", help="run directories (their metrics.jsonl)")
+    p = sub.add_parser("profile")
+    p.add_argument("runs", nargs="+", help="run directories made with --profile-from (their trace.json.gz)")
     p = sub.add_parser("packing")
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--data", required=True)
@@ -657,6 +711,7 @@ def main() -> None:
         "flops": cmd_flops,
         "losses": cmd_losses,
         "steps": cmd_steps,
+        "profile": cmd_profile,
         "packing": cmd_packing,
     }[args.cmd](args)
 
