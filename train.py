@@ -1186,8 +1186,8 @@ class HeadLoss(torch.autograd.Function):
     Per chunk the forward forms the log-probabilities (fp32), each token's loss, and d loss / d logits =
     softmax - one-hot, and multiplies that at once into the gradients of the hidden states and of the head's
     weight; backward only scales them. A chunk's logits are formed once and never kept: checkpointing each chunk
-    instead formed them a second time in backward (the head's matmul again: ~6% of the FLOPs of an 8-layer
-    benchmark step, 1.5% of the 64-layer model's). The weight's gradient is summed over all tokens before
+    instead formed them a second time in backward (the head's matmul again; docs/BENCHMARKS.md, fourth round,
+    has what that cost). The weight's gradient is summed over all tokens before
     backward knows their upstream gradients, so it holds only when every token's loss has the same weight:
     sum(losses) * a constant, the recipe's one use. backward checks that (without a host sync)."""
 
@@ -1497,7 +1497,7 @@ class RecomputeProbe:
 
     def watch(self) -> bool:
         """After a step in which CUDA's caching allocator ran out on any rank (it then frees its cache and retries
-        the allocation: ~0.1 s each, docs/BENCHMARKS.md), the kept layer that saves the least time per byte is
+        the allocation, a stall: docs/BENCHMARKS.md, fourth round), the kept layer that saves the least time per byte is
         recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between steps (a
         log line, an eval, a save) count toward the next step."""
         retries = alloc_retries()
