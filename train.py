@@ -435,10 +435,8 @@ def conversation_problem(messages) -> str | None:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             return "unknown role"
-        if not isinstance(m.get("content"), str):
-            return "empty or non-string content"
-        if not m["content"].strip() and not m.get("tool_calls"):  # a tool-call turn may have no text
-            return "empty or non-string content"
+        if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
+            return "empty or non-string content"  # a tool-call turn may have no text
         if not isinstance(m.get("reasoning_content") or "", str):
             return "non-string reasoning_content"
     if not any(m["role"] == "assistant" for m in messages):
@@ -703,21 +701,16 @@ def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad
       labels: the token where the mask is set, else -100; always -100 on each segment's first token (its
       causal target would come from the previous segment) and on padding.
     """
+    pad = block_len - sum(len(seg_ids) for seg_ids, _ in segments)
+    assert pad >= 0, "segments longer than the block"
+    padding = [([pad_id] * pad, [False] * pad)] if pad else []
     ids, labels, positions, seq_idx, bounds = [], [], [], [], [0]
-    for n, (seg_ids, seg_mask) in enumerate(segments):
+    for n, (seg_ids, seg_mask) in enumerate(segments + padding):
         ids += seg_ids
         labels += [-100] + [t if m else -100 for t, m in zip(seg_ids[1:], seg_mask[1:])]
         positions += range(len(seg_ids))
         seq_idx += [n] * len(seg_ids)
         bounds.append(len(ids))
-    pad = block_len - len(ids)
-    assert pad >= 0, "segments longer than the block"
-    if pad:
-        ids += [pad_id] * pad
-        labels += [-100] * pad
-        positions += range(pad)
-        seq_idx += [len(segments)] * pad
-        bounds.append(block_len)
     return {
         "input_ids": torch.tensor([ids]),
         "labels": torch.tensor([labels]),
@@ -1789,7 +1782,7 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:
     return out
 
 
-class RunLock:
+class RunLock(contextlib.AbstractContextManager):
     """output_dir/run.lock, held by rank 0 of the run training into output_dir: its host, pid and start time,
     refreshed every 30 s. Two runs on one output_dir would write the same checkpoints and log every line twice:
     a second run refuses at start, naming the holder. A dead holder's lock is taken over: its pid is gone on this
@@ -1842,9 +1835,6 @@ class RunLock:
         while not self.released.wait(self.REFRESH_S):
             with contextlib.suppress(OSError):  # a file system hiccup: the next refresh may do
                 os.utime(self.path)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.d.rank == 0:
@@ -1986,11 +1976,8 @@ class Checkpointer:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size))
             rank_bytes = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters())
             node, gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 2**30
-            warn = (
-                " -- over 80% of it: expect swapping, or set async_save: false"
-                if ranks * rank_bytes > 0.8 * node
-                else ""
-            )
+            swap = ranks * rank_bytes > 0.8 * node
+            warn = " -- over 80% of it: expect swapping, or set async_save: false" if swap else ""
             print0(
                 job.d.rank,
                 f"async_save: {rank_bytes / gib:.1f} GiB of host memory per rank for the staged checkpoint, "
