@@ -28,11 +28,12 @@ Steady state: steps 1 and 2 are warm-up; averages are over steps >= 3 (the seed'
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
 import re
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -182,14 +183,21 @@ def profile_two_steps(first: int, out: Path):
             state["profiler"].__exit__(None, None, None)
             trace = out / "trace.json"
             state["profiler"].export_chrome_trace(str(trace))
-            summary = summarise_trace(json.loads(trace.read_text())["traceEvents"], wall_ms)
+            with open(trace, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            trace.unlink()
+            summary = summarise_trace(trace_events(out), wall_ms)
             (out / "profile.json").write_text(json.dumps(summary, indent=1))
-            subprocess.run(["gzip", "-f", str(trace)], check=False)
 
     return hook
 
 
-def summarise_trace(events: list, wall_ms: float, shown: int = 10) -> dict:
+def trace_events(run: Path) -> list:
+    with gzip.open(run / "trace.json.gz") as f:
+        return json.load(f)["traceEvents"]
+
+
+def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
     """A chrome trace's GPU time: kernels (and copies) grouped by KERNEL_KINDS, the longest kernels, and the
     compute stream's idle gaps over 0.2 ms, each with the host calls that returned within 1 ms after it began (a
     sync such as .item() returns once the GPU has caught up; what the host does next is the gap). Collectives run
@@ -453,18 +461,14 @@ def cmd_losses(args) -> None:
     print(f"final ({last}) {curves[0][last]:23.3f} {curves[1][last]:24.3f}   {curves[1][last] - curves[0][last]:+.3f}")
 
 
-FULL_BLOCK = 0.95  # a step whose blocks are this full counts as full (a pack buffer's last block is far emptier)
-
-
 def cmd_profile(args) -> None:
     """The profile of a run made with --profile-from, summarised again from its trace.json.gz."""
-    import gzip
+    for run in map(Path, args.runs):
+        print(run.name)
+        summarise_trace(trace_events(run), json.loads((run / "profile.json").read_text())["wall_ms"])
 
-    for run in args.runs:
-        print(Path(run).name)
-        wall_ms = json.loads((Path(run) / "profile.json").read_text())["wall_ms"]
-        with gzip.open(Path(run) / "trace.json.gz") as f:
-            summarise_trace(json.load(f)["traceEvents"], wall_ms)
+
+FULL_BLOCK = 0.95  # a step whose blocks are this full counts as full (a pack buffer's last block is far emptier)
 
 
 def cmd_steps(args) -> None:
