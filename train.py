@@ -1180,9 +1180,9 @@ class HeadLoss(torch.autograd.Function):
     softmax - one-hot, and multiplies that at once into the gradients of the hidden states and of the head's
     weight; backward only scales them. A chunk's logits are formed once and never kept: checkpointing each chunk
     instead formed them a second time in backward (the head's matmul again; docs/BENCHMARKS.md, fourth round,
-    has what that cost). The weight's gradient is summed over all tokens before
-    backward knows their upstream gradients, so it holds only when every token's loss has the same weight:
-    sum(losses) * a constant, the recipe's one use. backward checks that (without a host sync)."""
+    has what that cost). The weight's gradient is summed over all tokens before backward knows their upstream
+    gradients, so it holds only when every token's loss has the same weight: sum(losses) * a constant, the
+    recipe's one use. backward checks that (without a host sync)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
@@ -1490,9 +1490,9 @@ class RecomputeProbe:
 
     def watch(self) -> bool:
         """After a step in which CUDA's caching allocator ran out on any rank (it then frees its cache and retries
-        the allocation, a stall: docs/BENCHMARKS.md, fourth round), the kept layer that saves the least time per byte is
-        recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between steps (a
-        log line, an eval, a save) count toward the next step."""
+        the allocation, a stall: docs/BENCHMARKS.md, fourth round), the kept layer that saves the least time per
+        byte is recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between
+        steps (a log line, an eval, a save) count toward the next step."""
         retries = alloc_retries()
         new = torch.tensor(retries - self.retries, device=self.job.d.device)
         dist.all_reduce(new, op=dist.ReduceOp.MAX)
