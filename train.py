@@ -1548,7 +1548,8 @@ class MetricsLog:
     the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only).
 
     A line sums the steps since the last one over all ranks; the loss is reduced only when a line is written
-    (its .item() is a sync point). A line is written at every checkpoint too, so a checkpoint holds no window."""
+    (its .item() is a sync point). A line is written at every checkpoint too, so a checkpoint holds no window.
+    last_loss: the last line's loss, the run's final loss."""
 
     def __init__(self, cfg: Config, d: Dist, model):
         self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
@@ -1566,6 +1567,7 @@ class MetricsLog:
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
         self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
+        self.last_loss = None
 
     def add(self, stats: dict) -> None:
         """A step's counts, from train_step, into the window."""
@@ -1577,8 +1579,8 @@ class MetricsLog:
         self.window["data_wait_s"] += stats["data_wait_s"]
         self.grad_norm, self.lr = stats["grad_norm"], stats["lr"]
 
-    def flush(self, job: Job) -> float:
-        """Logs the window's line, checks the share of skipped records, starts afresh; returns the window's loss."""
+    def flush(self, job: Job) -> None:
+        """Logs the window's line, checks the share of skipped records, starts afresh."""
         data = job.progress.stream_counts()
         reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
         skipped = sum(reasons.values())
@@ -1621,9 +1623,8 @@ class MetricsLog:
         )
         self.write(r)
         check_skips(int(skips[0]), int(skips[1]), {"on this rank": reasons}, self.cfg)
-        self.since, self.window = now, Counter()
+        self.since, self.window, self.last_loss = now, Counter(), r["loss"]
         self.loss_sum.zero_()
-        return r["loss"]
 
     def write(self, record: dict) -> None:
         if self.d.rank != 0:
@@ -1648,10 +1649,11 @@ class MetricsLog:
 
 
 class Evaluator:
-    """Token-weighted loss on the first eval_blocks blocks of each rank's shard of the held-out data."""
+    """Token-weighted loss on the first eval_blocks blocks of each rank's shard of the held-out data; last_loss,
+    the last eval's."""
 
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
-        self.cfg, self.d, self.filler = cfg, d, filler
+        self.cfg, self.d, self.filler, self.last_loss = cfg, d, filler, None
         # A few blocks, read once: no worker, and a buffer of only those blocks (with eval_fraction, reading the
         # held-out records for pack_buffer_blocks blocks would mean reading that much more training data).
         in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)
@@ -1663,7 +1665,7 @@ class Evaluator:
             raise UserError(f"the eval data ({data_source(cfg, 'eval')}) yields no loss tokens")
 
     @torch.no_grad()
-    def __call__(self, model, step: int, log: MetricsLog) -> float:
+    def __call__(self, model, step: int, log: MetricsLog) -> None:
         model.eval()
         loss_sum = run_blocks(model, self.blocks, self.n_micro, self.filler, self.cfg, self.d, scale=None)
         model.train()
@@ -1671,7 +1673,7 @@ class Evaluator:
         loss = loss_sum.item() / self.loss_tokens
         print0(self.d.rank, f"eval step {step} | loss {loss:.4f}")
         log.write({"step": step, "eval_loss": loss})
-        return loss
+        self.last_loss = loss
 
 
 @contextlib.contextmanager
@@ -1697,23 +1699,21 @@ class Interrupted(Exception):
     progress is done and its checkpoint complete. main() exits with 128 + SIGTERM, as a process killed by it."""
 
 
-def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None, step_hook=None) -> dict:
-    """Steps until total_steps or until every rank's data has run out (a rank that runs out first feeds fillers
-    until all have); logs every log_every steps, evaluates every eval_every, saves every save_every and at the
-    end. SIGTERM on any rank: every rank finishes its step, saves, and raises Interrupted once the checkpoint is
-    complete. blocks: this rank's block iterator, started at job.progress."""
+def training_loop(
+    job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None, checkpoints: Checkpointer, step_hook=None
+) -> bool:
+    """Steps until total_steps, until every rank's data has run out (a rank that runs out first feeds fillers until
+    all have), or until SIGTERM reaches any rank (then every rank finishes its step); logs every log_every steps,
+    evaluates every eval_every, saves every save_every. Returns whether SIGTERM stopped it. blocks: this rank's
+    block iterator, started at job.progress."""
     cfg, d, progress, total_steps = job.cfg, job.d, job.progress, job.total_steps
     data = progress.blocks_of(blocks, cfg.num_workers)  # a generator: an exhausted one may be asked again
-    result = {"steps": progress.step, "final_loss": None, "eval_loss": None}
-    saved, stopped = progress.step or None, False  # a resumed run starts at a saved step
-    checkpoints = Checkpointer(job)
     probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else None
     job.model.train()
     while progress.step < total_steps:
         if stop_requested(d):  # before any block of the next step is taken: the checkpoint resumes there
-            stopped = True
             print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
-            break
+            return True
         waiting = time.perf_counter()
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
         waiting = time.perf_counter() - waiting
@@ -1721,44 +1721,51 @@ def training_loop(job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None
             stats = train_step(job, step_blocks, step_hook)
         if probe and probe.after_step(stepped=stats.get("loss_sum") is not None):
             probe = None
-        checkpoints.poll()
-        checkpoints.prepare()
+        checkpoints.after_step()
         if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
             checkpoints.finish()  # the write in flight holds a state from before these steps: keep it
-            last = (complete_checkpoints(cfg) or ["none"])[-1]
             raise UserError(
-                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step "
-                f"{progress.step}: stopping. The last checkpoint is {last}; lower learning_rate or look at the data"
+                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {progress.step}: "
+                f"stopping. The last checkpoint is {checkpoints.newest()}; lower learning_rate or look at the data"
             )
         if stats["max_blocks"] == 0:
             print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
-            break
+            return False
         if stats["loss_tokens"] == 0:
             continue
         log.add({**stats, "data_wait_s": waiting})
         step = progress.step
         save = checkpoints.due(step) and step < total_steps
         if step % cfg.log_every == 0 or step == total_steps or save:
-            result.update(steps=step, final_loss=log.flush(job))
+            log.flush(job)
         if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            result["eval_loss"] = evaluator(job.model, step, log)
+            evaluator(job.model, step, log)
         if save:
             checkpoints.save()
-            saved = step
+    return False
+
+
+def finish_training(
+    job: Job, log: MetricsLog, evaluator: Evaluator | None, checkpoints: Checkpointer, stopped: bool
+) -> dict:
+    """After the loop: the last log line, the final eval, the final save (the export is left to a restart when
+    SIGTERM stopped the loop, which raises Interrupted once the checkpoint is complete)."""
+    progress = job.progress
     if progress.step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
         seen = dict(progress.stream_counts())
-        raise UserError(f"no step was trained: the data holds nothing to learn from (rank {d.rank}: {seen})")
+        raise UserError(f"no step was trained: the data holds nothing to learn from (rank {job.d.rank}: {seen})")
     if log.window["steps"]:  # the data ran out between log lines: log the rest before the final save
-        result.update(steps=progress.step, final_loss=log.flush(job))
+        log.flush(job)
     if evaluator and not stopped:
-        result["eval_loss"] = evaluator(job.model, progress.step, log)
-    if cfg.save_every >= 0 and progress.step != saved:
+        evaluator(job.model, progress.step, log)
+    if job.cfg.save_every >= 0 and progress.step != checkpoints.saved_step:
         checkpoints.save()
     checkpoints.finish()  # the write in flight finishes and its checkpoint completes
     if stopped:
-        last = (complete_checkpoints(cfg) or ["none (save_every: -1)"])[-1]
-        raise Interrupted(f"stopped by SIGTERM after step {progress.step}; the newest checkpoint is {last}")
-    return {**result, "steps": progress.step}
+        raise Interrupted(
+            f"stopped by SIGTERM after step {progress.step}; the newest checkpoint is {checkpoints.newest()}"
+        )
+    return {"steps": progress.step, "final_loss": log.last_loss, "eval_loss": evaluator and evaluator.last_loss}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1969,6 +1976,7 @@ class Checkpointer:
 
     def __init__(self, job: Job):
         self.job, self.pending, self.last, self.buffers, self.preparing = job, None, time.monotonic(), {}, None
+        self.saved_step = job.progress.step or None  # a resumed run starts at a saved step
         if job.cfg.async_save and job.cfg.save_every >= 0:
             self.group = dist.new_group(backend="gloo")
             # The staged copy in host memory, per rank and per node (weights, and AdamW's two moments of the
@@ -2030,6 +2038,7 @@ class Checkpointer:
             "config": dataclasses.asdict(job.cfg),
         }
         self.pending, self.last = (future, path, meta, t0, time.perf_counter() - t0), time.monotonic()
+        self.saved_step = progress.step
         if not future:
             self.finish()
 
@@ -2094,13 +2103,20 @@ class Checkpointer:
             torch.cuda.synchronize()
         return staged
 
-    def poll(self) -> None:
-        """After each step while a write is in flight: once every rank's has finished, complete the checkpoint."""
+    def after_step(self) -> None:
+        """After each step: while a write is in flight, once every rank's has finished, complete the checkpoint;
+        after the first step, prepare the staging buffers."""
         if self.pending and self.pending[0]:
             running = torch.tensor(int(not self.pending[0].done()), device=self.job.d.device)
             dist.all_reduce(running)
             if not running:
                 self.finish()
+        self.prepare()
+
+    def newest(self) -> str:
+        """The newest complete checkpoint, for a message."""
+        never = "none (save_every: -1)" if self.job.cfg.save_every < 0 else "none"
+        return str((complete_checkpoints(self.job.cfg) or [never])[-1])
 
     def finish(self) -> None:
         """Waits for the write in flight, then rank 0 writes complete.json and removes what is no longer kept."""
@@ -2337,7 +2353,9 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler_block(pad_token_id(tokenizer)))
         evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split or cfg.eval_fraction else None
         with stop_on_sigterm():
-            result = training_loop(job, blocks, log, evaluator, step_hook)
+            checkpoints = Checkpointer(job)
+            stopped = training_loop(job, blocks, log, evaluator, checkpoints, step_hook)
+            result = finish_training(job, log, evaluator, checkpoints, stopped)
         seen = [None] * d.world_size
         dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
         summary = dict(sum(seen, Counter()))
