@@ -97,11 +97,6 @@ def recompute_share(value: str) -> float | None:
     return None if value == "auto" else float(value)
 
 
-def recompute_is_measured(cfg, device: torch.device) -> bool:
-    """activation_checkpointing: auto on a GPU: the first steps measure and decide (RecomputeProbe)."""
-    return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
-
-
 def is_recompute_setting(value: str) -> bool:
     try:
         return value == "auto" or 0 <= float(value) <= 1
@@ -115,7 +110,7 @@ class Config:
 
     # Model. Revisions are pinned so runs stay comparable as hub repos move ("" = latest).
     model_name: str = setting("Qwen/Qwen3.8-27B", "hub name or local directory")
-    model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision", resumable=True)
+    model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (the tokenizer's too)")
     tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
     trust_remote_code: bool = setting(False, "run Python code a hub repo ships (repos you trust)", resumable=True)
     init: str = setting("pretrained", "pretrained weights, or random (benchmarks)", one_of("pretrained", "random"))
@@ -983,6 +978,18 @@ def fla_refuses_hopper_backward() -> bool:
     return guarded and not CommonTileLangBackend.can_use()
 
 
+def check_model_settings(config, cfg: Config, device: torch.device) -> None:
+    """The settings build_model applies that this model and device must support: the block length within the
+    model's positions; float8's GPU and package."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_seq_len > limit:
+        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+    if cfg.float8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
+    if cfg.float8 and importlib.util.find_spec("torchao") is None:
+        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
+
+
 def pretrained_dir(cfg: Config) -> Path:
     """The checkpoint's directory: model_name itself if local, else a hub snapshot of its safetensors, configs
     and tokenizer files in HF_HOME. Every rank asks for it: huggingface_hub's file locks let one process of a
@@ -1059,7 +1066,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
             layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
     if cfg.float8:
         # Only the MLPs: they hold ~70% of a layer's matmul FLOPs and are compiled, so float8's scaling and casts
-        # fuse into neighbouring kernels; eager, those casts would cost more than the faster matmuls save.
+        # fuse into neighbouring kernels; eager, each cast would be a pass over memory of its own.
         # The weights stay parameters of their dtype and names: checkpoints and the export do not change.
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -1398,6 +1405,11 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
 AUTO_RECOMPUTE_MARGIN = 0.1
 # Steps in a row without an allocator retry that end auto's watch (RecomputeProbe.watch).
 AUTO_RECOMPUTE_WATCH_STEPS = 10
+
+
+def recompute_is_measured(cfg, device: torch.device) -> bool:
+    """activation_checkpointing: auto on a GPU: the first steps measure and decide (RecomputeProbe)."""
+    return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
 class RecomputeProbe:
@@ -2076,8 +2088,8 @@ class Checkpointer:
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
-        """The state with every tensor copied into its host buffer (prepare; the copy into pinned buffers runs at
-        tens of GB/s). Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the
+        """The state with every tensor copied into its host buffer (prepare; docs/CHECKPOINTS.md measures the copy).
+        Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the
         files are those a save from the GPU writes. (DCP's own stager caches its buffers too, but on torch 2.11
         its second save failed.)"""
         from torch.distributed.device_mesh import DeviceMesh
@@ -2286,17 +2298,11 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
 
 def startup_checks(cfg: Config, d: Dist):
     """Everything that can be checked without the weights, checked first: the attention backend, the model's
-    config and kernels, the block length, the tokenizer, the data. Returns (attention, model config, tokenizer)."""
+    config, kernels and settings, the tokenizer, the data. Returns (attention, model config, tokenizer)."""
     attn = resolve_attention(cfg.attn_implementation, d.device)
     config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_seq_len > limit:
-        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
-    if cfg.float8 and (d.device.type != "cuda" or torch.cuda.get_device_capability(d.device) < (8, 9)):
-        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
-    if cfg.float8 and importlib.util.find_spec("torchao") is None:
-        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
+    check_model_settings(config, cfg, d.device)
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)

@@ -122,6 +122,9 @@ def test_a_setting_may_change_on_resume_only_if_its_field_says_so():
     assert train.fixed_on_resume(saved, fixed) == {"seed": (0, 1), "num_workers": (1, 0), "learning_rate": (1e-5, 2e-5)}
     resumable = {f.name for f in dataclasses.fields(train.Config) if f.metadata["resumable"]}
     assert "seed" not in resumable and {"log_every", "max_steps", "save_every", "output_dir"} <= resumable
+    # What decides the tokens, and so what a checkpoint's data positions point at, is fixed.
+    tokens = {"model_name", "model_revision", "tokenizer_name", "dataset_name", "dataset_revision", "max_seq_len"}
+    assert not tokens & resumable
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
