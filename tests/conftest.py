@@ -79,3 +79,16 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def conversations():
     return [json.loads(line)["messages"] for line in open(SAMPLE)]
+
+
+@pytest.fixture()
+def world_of_one(tmp_path):
+    """A process group of this process alone (gloo), for the functions that take a Dist and run collectives."""
+    import torch
+    import torch.distributed as dist
+
+    import train
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield train.Dist(0, 0, 1, torch.device("cpu"), owns_group=True)
+    dist.destroy_process_group()

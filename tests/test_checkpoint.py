@@ -202,14 +202,24 @@ def test_sigterm_saves_after_the_step_and_the_restart_is_bit_identical(tiny_mode
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_main_exits_128_plus_sigterm_when_interrupted(monkeypatch, tmp_path):
-    def interrupted(cfg, d, step_hook=None):
-        raise train.Interrupted("stopped by SIGTERM after step 3; the newest checkpoint is step_00000003")
-
-    monkeypatch.setattr(train, "run", interrupted)
-    with pytest.raises(SystemExit) as stop:
-        train.main(["--output_dir", str(tmp_path)])
-    assert stop.value.code == 128 + signal.SIGTERM
+def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(tiny_model_dir, tmp_path):
+    """`python train.py` without torchrun (a world of one) handles SIGTERM as the ranks do: it finishes the step,
+    saves, says so in one line and exits with the status of a process killed by SIGTERM."""
+    config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, max_steps=500, log_every=1, save_every=1000)
+    command = [sys.executable, "train.py", "--config", str(config), "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    for line in proc.stdout:  # the first step's log line: training has started
+        lines.append(line)
+        if line.startswith("step "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, "".join(lines[-30:])
+    step = int(re.match(r"stopped by SIGTERM after step (\d+); the newest checkpoint is .*step_", lines[-1])[1])
+    assert step < 500 and (tmp_path / f"out/checkpoints/step_{step:08d}/complete.json").exists()
 
 
 @pytest.mark.distributed
@@ -236,15 +246,6 @@ def test_interrupted_saves_are_never_resumed_from(tmp_path):
         if complete:
             (path / "complete.json").write_text("{}")
     assert [p.name for p in train.complete_checkpoints(cfg)] == ["step_00000003", "step_00000006"]
-
-
-@pytest.fixture()
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield train.Dist(0, 0, 1, torch.device("cpu"), owns_group=True)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("master", ["float32", "bfloat16"])

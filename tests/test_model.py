@@ -210,36 +210,27 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
 
 
 def test_auto_recompute_recomputes_a_kept_layer_again_after_each_step_with_allocator_retries(
-    tiny_model_dir, monkeypatch
+    tiny_model_dir, monkeypatch, world_of_one
 ):
     """After auto's decision, a step in which CUDA's allocator retried (on any rank) sends the kept layer that saves
     the least time per byte back to recomputation; ten clean steps in a row end the watch. (The retry counter is
     faked; a world of one gloo process stands in for the ranks.)"""
-    import torch.distributed as dist
-
     counter = iter([0, 2, 2, 3] + [3] * 10)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = model.get_decoder().layers
     job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 2})()})()
-    job.d = train.Dist(0, 0, 1, torch.device("cpu"), True)
+    job.d = world_of_one
     probe = train.RecomputeProbe(job)
     probe.kept = [1, 0]  # as layers_to_keep ranks them: layer 1 saves the most per byte
     for layer in layers:
         layer.gradient_checkpointing = False
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{train.free_port()}", rank=0, world_size=1)
-    try:
-        recomputed = []
-        for _ in range(20):
-            done = probe.watch()
-            recomputed.append([i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
-            if done:
-                break
-    finally:
-        if owns:
-            dist.destroy_process_group()
+    recomputed = []
+    for _ in range(20):
+        done = probe.watch()
+        recomputed.append([i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
+        if done:
+            break
     assert recomputed[:4] == [[], [0], [0], [0, 1]]  # retries in the 2nd and 4th steps watched
     assert probe.kept == [] and done and len(recomputed) == 14  # then 10 clean steps (nothing left to give back)

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, worker_env, write_tiny_job
 
 import train
@@ -116,16 +115,10 @@ def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_
     assert [b["position"] for b in again] == [rank_1[0]["position"]]
 
 
-def test_the_counting_pass_shows_progress(tokenizer, tmp_path, monkeypatch, capsys):
-    import torch.distributed as dist
-
+def test_the_counting_pass_shows_progress(tokenizer, world_of_one, monkeypatch, capsys):
     monkeypatch.setattr(train, "COUNTING_PROGRESS_S", -1)  # a line per block
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, num_workers=0, pack_buffer_blocks=2)
-        blocks, _ = train.count_blocks(cfg, tokenizer, train.Dist(0, 0, 1, torch.device("cpu"), True))
-    finally:
-        dist.destroy_process_group()
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, num_workers=0, pack_buffer_blocks=2)
+    blocks, _ = train.count_blocks(cfg, tokenizer, world_of_one)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("counting: ")]
     assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far on rank 0")
 
@@ -208,9 +201,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(t
     assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(out)))][-1] == "step_00000005"
 
 
-def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_the_run(two_checkpoints, tmp_path):
-    import torch.distributed as dist
-
+def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_the_run(
+    two_checkpoints, tmp_path, world_of_one
+):
     _, finished = two_checkpoints
     out = tmp_path / "out"
     shutil.copytree(finished, out)
@@ -220,12 +213,8 @@ def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_
     assert train.checkpoint_problem(old) is None  # nothing to check it against: resumed, not set aside
     for step in ("step_00000002", "step_00000004"):
         (out / "checkpoints" / step / "complete.json").write_text("")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        with pytest.raises(train.UserError, match="every checkpoint in .* is damaged"):
-            train.resume_point(train.Config(output_dir=str(out)), train.Dist(0, 0, 1, torch.device("cpu"), True))
-    finally:
-        dist.destroy_process_group()
+    with pytest.raises(train.UserError, match="every checkpoint in .* is damaged"):
+        train.resume_point(train.Config(output_dir=str(out)), world_of_one)
     assert len(list((out / "checkpoints").glob("rejected-step_*"))) == 2 and not train.complete_checkpoints(
         train.Config(output_dir=str(out))
     )
@@ -261,24 +250,17 @@ def test_a_second_run_on_one_output_dir_refuses_naming_the_holder(tiny_model_dir
         ("other host, silent 3 min", 180, True),
     ],
 )
-def test_a_dead_holders_lock_is_taken_over(tmp_path, holder, age_s, taken):
-    import torch.distributed as dist
-
+def test_a_dead_holders_lock_is_taken_over(tmp_path, world_of_one, holder, age_s, taken):
     dead = subprocess.Popen(["true"])
     dead.wait()
     host, pid = {"dead pid here": (socket.gethostname(), dead.pid)}.get(holder, ("elsewhere", 1))
     if holder.startswith("our own pid"):
         host, pid = socket.gethostname(), os.getpid()
     lock_file(tmp_path / "out", host, pid, age_s)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        d = train.Dist(0, 0, 1, torch.device("cpu"), True)
-        if not taken:
-            with pytest.raises(train.UserError, match="is in use by another run \\(host elsewhere, pid 1"):
-                train.RunLock(tmp_path / "out", d)
-            return
-        with train.RunLock(tmp_path / "out", d):
-            assert json.loads((tmp_path / "out/run.lock").read_text())["pid"] == os.getpid()
-        assert not (tmp_path / "out/run.lock").exists()  # released at the end
-    finally:
-        dist.destroy_process_group()
+    if not taken:
+        with pytest.raises(train.UserError, match="is in use by another run \\(host elsewhere, pid 1"):
+            train.RunLock(tmp_path / "out", world_of_one)
+        return
+    with train.RunLock(tmp_path / "out", world_of_one):
+        assert json.loads((tmp_path / "out/run.lock").read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "out/run.lock").exists()  # released at the end
