@@ -276,7 +276,6 @@ def fixed_on_resume(saved: dict, cfg: Config) -> dict:
 @dataclass
 class Dist:
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
     owns_group: bool  # we created the process group, so we destroy it
@@ -307,7 +306,7 @@ def setup_distributed() -> Dist:
         dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device_id, **alone)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         exit_with_launcher()
-    return Dist(rank, local_rank, world_size, device, owns_group)
+    return Dist(rank, world_size, device, owns_group)
 
 
 def exit_with_launcher() -> None:

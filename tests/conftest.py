@@ -23,11 +23,17 @@ def worker_env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def run_ok(command: list, env: dict | None = None, timeout=300) -> str:
-    """Runs command in the repo root (environment: worker_env() unless given); fails the test if it fails."""
+def run(command: list, env: dict | None = None, timeout=300) -> tuple[int, str, str]:
+    """Runs command in the repo root (environment: worker_env() unless given): (exit status, stdout, stderr)."""
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or worker_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_ok(command: list, env: dict | None = None, timeout=300) -> str:
+    """run(), failing the test if the command fails; its stdout."""
+    rc, out, err = run(command, env, timeout)
+    assert rc == 0, out[-3000:] + err[-5000:]
+    return out
 
 
 def torchrun(*args, timeout=300, env=None) -> str:
@@ -90,5 +96,5 @@ def world_of_one(tmp_path):
     import train
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield train.Dist(0, 0, 1, torch.device("cpu"), owns_group=True)
+    yield train.Dist(0, 1, torch.device("cpu"), owns_group=True)
     dist.destroy_process_group()

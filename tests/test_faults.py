@@ -3,14 +3,13 @@
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 import httpx2
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, worker_env, write_tiny_job
+from conftest import SAMPLE, TORCHRUN, WORKERS, run, worker_env, write_tiny_job
 from huggingface_hub.errors import GatedRepoError
 from transformers import AutoModelForCausalLM
 
@@ -135,14 +134,8 @@ def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
 
 def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
     config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **{"output_dir": str(tmp_path / "o"), **job})
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    rc, out, err = run([sys.executable, "train.py", "--config", str(config)], timeout=timeout)
+    return rc, out + err
 
 
 @pytest.mark.parametrize(
@@ -213,15 +206,10 @@ def faulty_run(tmp_path, tiny_model_dir, fault, timeout=180, env=None):
         output_dir=str(tmp_path / "out"),
     )
     start = time.time()
-    proc = subprocess.run(
-        [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(config), fault],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=worker_env(**(env or {})),
+    rc, out, err = run(
+        [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(config), fault], worker_env(**(env or {})), timeout
     )
-    return proc.returncode, proc.stdout + proc.stderr, time.time() - start
+    return rc, out + err, time.time() - start
 
 
 @pytest.mark.distributed

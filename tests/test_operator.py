@@ -10,16 +10,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, worker_env, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, run, worker_env, write_tiny_job
 
 import train
 
 GOOD = json.loads(open(SAMPLE).readline())
-
-
-def run(command: list, timeout=180):
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=worker_env())
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 def train_py(config, *flags):
@@ -87,9 +82,9 @@ def test_inspect_checks_the_data_and_says_what_is_wrong_in_one_line(tmp_path):
 def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
     env = worker_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     command = [sys.executable, "tools/inspect_data.py", "1", "--dataset_name", str(SAMPLE)]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: cannot load Qwen/Qwen3.8-27B: ")
+    rc, _, err = run(command, env, timeout=60)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert err.startswith("error: cannot load Qwen/Qwen3.8-27B: ")
 
 
 def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_path, capsys):
