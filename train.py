@@ -110,7 +110,9 @@ class Config:
 
     # Model. Revisions are pinned so runs stay comparable as hub repos move ("" = latest).
     model_name: str = setting("Qwen/Qwen3.8-27B", "hub name or local directory")
-    model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (the tokenizer's too)")
+    model_revision: str = setting(
+        "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (the tokenizer's too, without tokenizer_name)"
+    )
     tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
     trust_remote_code: bool = setting(False, "run Python code a hub repo ships (repos you trust)", resumable=True)
     init: str = setting("pretrained", "pretrained weights, or random (benchmarks)", one_of("pretrained", "random"))

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -210,16 +211,26 @@ def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(
     proc = subprocess.Popen(
         command, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines = []
-    for line in proc.stdout:  # the first step's log line: training has started
-        lines.append(line)
-        if line.startswith("step "):
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, "".join(lines[-30:])
-    step = int(re.match(r"stopped by SIGTERM after step (\d+); the newest checkpoint is .*step_", lines[-1])[1])
-    assert step < 500 and (tmp_path / f"out/checkpoints/step_{step:08d}/complete.json").exists()
+    deadline = threading.Timer(180, proc.kill)  # a stop that hangs fails the test instead of stalling the suite
+    deadline.start()
+    try:
+        lines = []
+        for line in proc.stdout:  # the first step's log line: training has started
+            lines.append(line)
+            if line.startswith("step "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        status = proc.wait(timeout=60)
+    finally:
+        deadline.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines)
+    assert status == 128 + signal.SIGTERM, output[-3000:]
+    stopped = re.search(r"^stopped by SIGTERM after step (\d+); the newest checkpoint is .*step_", lines[-1])
+    assert stopped, output[-3000:]
+    assert (tmp_path / f"out/checkpoints/step_{int(stopped[1]):08d}/complete.json").exists()
 
 
 @pytest.mark.distributed
