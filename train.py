@@ -227,7 +227,12 @@ def load_config(*sources: tuple[str, dict]) -> Config:
 
 
 def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise UserError(f"{name} {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise UserError(f"{name} {path} is not valid YAML: {' '.join(str(e).split())}") from e
     if not isinstance(data, dict):
         raise UserError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
     return f"{name} {path}", data

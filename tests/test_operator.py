@@ -52,6 +52,23 @@ def test_under_torchrun_a_user_error_is_one_line_from_rank_0(tiny_model_dir, tmp
     assert 'File "' + str(ROOT / "train.py") not in out + err  # no traceback from the ranks
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "No such file or directory"), ("learning_rate: [1e-5,\n", "is not valid YAML: while parsing a flow")],
+)
+def test_a_settings_file_that_cannot_be_read_is_one_line(tmp_path, content, message):
+    path = tmp_path / "job.yaml"
+    if content is not None:
+        path.write_text(content)
+    for command, env, name in [
+        (train_py(path), worker_env(), "--config"),
+        ([sys.executable, "train.py"], worker_env(HYPERPARAMETERS_PATH=str(path)), "HYPERPARAMETERS_PATH"),
+    ]:
+        rc, out, err = run(command, env, timeout=60)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+        assert err.startswith(f"error: {name} {path}") and message in err
+
+
 @pytest.mark.distributed
 def test_a_user_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     """A check that fails on one rank only (a node-local file, a directory one rank cannot write) stops every
