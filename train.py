@@ -411,13 +411,18 @@ def held_out(index: int, cfg: Config) -> bool:
 
 
 def check_data(cfg: Config, part: str) -> None:
-    """Structural problems stop the run here, before any model is loaded: a missing file, an empty dataset, a
-    file that is not JSON lines, records without the conversation column."""
+    """Structural problems stop the run here, before any model is loaded: a missing file, a dataset or split that
+    cannot be read, an empty dataset, a file that is not JSON lines, records without the conversation column."""
     source, split = data_source(cfg, part)
     if Path(source).suffix and not Path(source).is_file():
         raise UserError(f"data file {source} does not exist")
     counts = Counter()
-    first = [r for _, r in itertools.islice(read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts), 64)]
+    try:  # datasets raises ValueError for a split or configuration the dataset lacks, OSError for what it cannot reach
+        records = read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts)
+        first = [r for _, r in itertools.islice(records, 64)]
+    except (ValueError, OSError) as e:
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"cannot read dataset {source} [{split}]: {first_line}") from e
     if not first:
         problem = "has no readable line: is it JSON lines?" if counts else "is empty"
         raise UserError(f"dataset {source} [{split}] {problem}")

@@ -1,8 +1,10 @@
 """Bad input and faults: clear errors before any model is loaded, counted skips, no NaN step, no hang."""
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -130,6 +132,16 @@ def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
         path.write_bytes(content)
     with pytest.raises((ValueError, FileNotFoundError), match=message.replace("[", r"\[").replace("]", r"\]")):
         train.check_data(train.Config(dataset_name=str(path)), "train")
+
+
+def test_a_split_the_dataset_lacks_says_which_it_has(tmp_path):
+    """A dataset folder (or hub dataset) read through datasets, asked for a split it does not have."""
+    (tmp_path / "data").mkdir()
+    shutil.copy(SAMPLE, tmp_path / "data" / "part.jsonl")
+    cfg = train.Config(dataset_name=str(tmp_path / "data"))  # dataset_split: train_sft; a folder's split is train
+    with pytest.raises(train.UserError, match=r"cannot read dataset .*data \[train_sft\]: Bad split: train_sft. Avail"):
+        train.check_data(cfg, "train")
+    train.check_data(dataclasses.replace(cfg, dataset_split="train"), "train")
 
 
 def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
