@@ -2376,7 +2376,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         seen = [None] * d.world_size
         dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
         summary = dict(sum(seen, Counter()))
-        print0(d.rank, f"done: {result['steps']} steps, final loss {result['final_loss']}, data seen {summary}")
+        trained = f"final loss {result['final_loss']}" if result["final_loss"] is not None else "none in this run"
+        print0(d.rank, f"done: {result['steps']} steps, {trained}, data seen {summary}")
         log.write({"step": result["steps"], "data_seen": summary})
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
         status = "FINISHED"

@@ -165,6 +165,14 @@ def two_checkpoints(tiny_model_dir, tmp_path_factory):
     return job, tmp_path / "out"
 
 
+def test_a_finished_run_started_again_trains_nothing_and_says_so(two_checkpoints, tmp_path):
+    job, finished = two_checkpoints
+    shutil.copytree(finished, tmp_path / "out")
+    rc, out, err = run(train_py(job, "--output_dir", tmp_path / "out"))
+    assert rc == 0 and f"resumed from {tmp_path}/out/checkpoints/step_00000004 (step 4 of 4)" in out, err[-3000:]
+    assert "done: 4 steps, none in this run, data seen " in out
+
+
 def damage(step: str, how: str) -> None:
     if how == "empty complete.json":
         (step / "complete.json").write_text("")
