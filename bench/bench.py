@@ -33,7 +33,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -181,11 +180,7 @@ def profile_two_steps(first: int, out: Path):
             torch.cuda.synchronize()
             wall_ms = 1e3 * (time.perf_counter() - state["t0"])
             state["profiler"].__exit__(None, None, None)
-            trace = out / "trace.json"
-            state["profiler"].export_chrome_trace(str(trace))
-            with open(trace, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            trace.unlink()
+            state["profiler"].export_chrome_trace(str(out / "trace.json.gz"))  # gzipped by the profiler (.gz)
             summary = summarise_trace(trace_events(out), wall_ms)
             (out / "profile.json").write_text(json.dumps(summary, indent=1))
 
