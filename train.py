@@ -2100,9 +2100,9 @@ class Checkpointer:
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
         """The state with every tensor copied into its host buffer (prepare; docs/CHECKPOINTS.md measures the copy).
-        Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the
-        files are those a save from the GPU writes. (DCP's own stager caches its buffers too, but on torch 2.11
-        its second save failed.)"""
+        Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the files are those a
+        save from the GPU writes. (DCP's own stager caches its buffers too, but on torch 2.11 its second save
+        failed.)"""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
 

@@ -47,9 +47,10 @@ launcher=$!
 until grep -q "^step $STOP_AT/" "$R/stopped.log" || ! kill -0 $launcher 2>/dev/null; do sleep 0.1; done
 kill -TERM $launcher
 wait $launcher
-echo "stopped: torchrun exit $? ($(grep -o 'stopped by SIGTERM after step [0-9]*' "$R/stopped.log" | head -1))"
+status=$?
 STOPPED=$(grep -o 'stopped by SIGTERM after step [0-9]*' "$R/stopped.log" | head -1 | grep -o '[0-9]*$')
 [ -n "$STOPPED" ] || { echo "the run did not stop on SIGTERM (see $R/stopped.log)"; exit 1; }
+echo "stopped: torchrun exit $status, stopped by SIGTERM after step $STOPPED"
 (job stopped) > "$R/resumed.log" 2>&1 || { echo "resumed: exit $? (see $R/resumed.log)"; exit 1; }
 echo "resumed: $(grep -o 'resumed from .*' "$R/resumed.log" | head -1)"
 for run in straight again stopped; do cp "$W/$run/metrics.jsonl" "$R/$run.metrics.jsonl"; done
