@@ -1,32 +1,22 @@
 #!/usr/bin/env python3
 """Supervised fine-tuning of a causal LM with plain PyTorch FSDP2: one file, launched by torchrun.
 
-Default job: Qwen/Qwen3.8-27B (model_type qwen3_5, a hybrid of Gated DeltaNet linear-attention layers and a
-gated full-attention layer every fourth layer) on UltraChat 200k `train_sft`, one pass, 32,768-token packed
-blocks, loss on assistant tokens only, one 8xB300 node.
+Default job: Qwen/Qwen3.8-27B (qwen3_5: Gated DeltaNet layers, gated attention every fourth) on UltraChat 200k
+`train_sft`, one pass, 32,768-token packed blocks, loss on assistant tokens only, one 8xB300 node (workload.yaml).
 
-The file runs these phases, in this order:
-  1. configuration  one dataclass (default, doc, check, resume policy per field); overrides from
-                    $HYPERPARAMETERS_PATH, then --config FILE.yaml, then --key value (or train(dict))
-  2. distributed    rank / local rank / world size from the environment (torchrun or a notebook decorator)
-  3. data           read this rank's shard -> render the chat template -> mask all but assistant turns ->
-                    pack whole conversations into blocks (best-fit decreasing) -> block-diagonal signals;
-                    the counting pass that fixes the step count
-  4. model          build on the meta device, use_cache=False, activation checkpointing, fully_shard each
-                    decoder layer then the root, each rank reads its own slices of the safetensors checkpoint
-  5. training       a step: global token-mean loss over ranks and micro-steps, clipping, AdamW, warmup + decay,
-                    non-finite steps skipped on every rank together; the loop logs, evaluates and saves
-  6. checkpoints    sharded DCP checkpoints with each rank's data position; automatic resume; the final
-                    consolidated Hugging Face export to output_dir/model
-  7. entry points   train(config) for notebooks and torchrun, main()
+Part I, the recipe, in the order it runs: settings (one dataclass; $HYPERPARAMETERS_PATH, --config FILE and
+--key value override it) -> distributed setup -> data (this rank's shard, chat template, assistant-only loss mask,
+whole conversations packed into blocks with the signals that keep them apart) -> model (meta device, activation
+checkpointing, fully_shard per decoder layer then the root, each rank reading its own slices of the checkpoint) ->
+loss, optimizer and step (the token mean over all ranks) -> the loop -> run(), train(config), main().
+Part II, operations: parsing, startup checks, counting, checkpoints and resume, the recompute probe, metrics,
+eval, the run lock and SIGTERM, the Hugging Face export.
 
-Launch:
-  GPU node:   torchrun --nproc_per_node=8 train.py                       (the default job)
+  GPU node:   torchrun --nproc_per_node=8 train.py
   multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
                        --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py --config job.yaml
   CPU smoke:  torchrun --nproc_per_node=2 train.py --config examples/cpu_smoke.yaml
-  look at the data only (tokenizer needed, no weights): python tools/inspect_data.py 2 [the same flags]
-  every setting: python train.py --help
+  the data only: python tools/inspect_data.py 2 [the same flags]; every setting: python train.py --help
 """
 
 from __future__ import annotations
@@ -60,251 +50,120 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import transformers
 import yaml
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-# ------------------------------------------------------------------------------------------------------------
-# 1. Configuration
-# ------------------------------------------------------------------------------------------------------------
 
-
+# ==== PART I: THE RECIPE ==========================================================================================
+# ---- Settings ----------------------------------------------------------------------------------------------------
 class UserError(ValueError):
-    """A problem with the job's settings, data, files or environment, for the user to fix: main() prints it as one
-    line from rank 0 and exits with status 2. Anything else is a bug and keeps its traceback."""
+    """A problem for the user to fix: main() prints one line and exits 2. Anything else is a bug."""
 
 
-ATTENTION_BACKENDS = ("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager")
+def setting(default, doc: str, resumable: bool = False):
+    """A Config field; a resumed run may change it only if resumable (the data positions, schedule or optimizer do
+    not depend on it)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "resumable": resumable})
 
 
-def setting(default, doc: str, check: tuple | None = None, resumable: bool = False):
-    """A Config field: its default, the doc --help prints, an optional check (a predicate, what it requires), and
-    whether a resumed run may change it (else the checkpoint's data positions, schedule and optimizer need it)."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "resumable": resumable})
-
-
-def one_of(*choices) -> tuple:
-    return (lambda v: v in choices, f"one of {', '.join(choices)}")
-
-
-AT_LEAST_1, AT_LEAST_0, AT_LEAST_MINUS_1 = ((lambda v, n=n: v >= n, f">= {n}") for n in (1, 0, -1))
-FRACTION, BETA = (lambda v: 0 <= v <= 1, "in [0, 1]"), (lambda v: 0 <= v < 1, "in [0, 1)")
-DTYPES = one_of("bfloat16", "float32")
-
-
-def recompute_share(value: str) -> float | None:
-    """activation_checkpointing as a share of the layers to recompute; None for auto (RecomputeProbe)."""
-    return None if value == "auto" else float(value)
-
-
-def is_recompute_setting(value: str) -> bool:
-    try:
-        return value == "auto" or 0 <= float(value) <= 1
-    except ValueError:
-        return False
+def resumable(default, doc: str):
+    return setting(default, doc, resumable=True)
 
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting of a run, with the default job's values. Checked on construction, however it is built."""
+    """Every setting of a run, with the default job's values; checked on construction (check_settings)."""
 
-    # Model. Revisions are pinned so runs stay comparable as hub repos move ("" = latest).
+    # Model. Revisions pin hub repos, so runs stay comparable ("" = latest).
     model_name: str = setting("Qwen/Qwen3.8-27B", "hub name or local directory")
-    model_revision: str = setting(
-        "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (the tokenizer's too, without tokenizer_name)"
-    )
+    model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (also the tokenizer's)")
     tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
-    trust_remote_code: bool = setting(False, "run Python code a hub repo ships (repos you trust)", resumable=True)
-    init: str = setting("pretrained", "pretrained weights, or random (benchmarks)", one_of("pretrained", "random"))
-    attn_implementation: str = setting("auto", "attention kernel", one_of(*ATTENTION_BACKENDS), resumable=True)
-    master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)", DTYPES)
-    param_dtype: str = setting("bfloat16", "compute dtype of FSDP's all-gathered parameters", DTYPES, resumable=True)
-    reduce_dtype: str = setting("float32", "dtype gradients are reduce-scattered over ranks in", DTYPES, resumable=True)
-    activation_checkpointing: str = setting(
-        "auto",
-        "share of decoder layers recomputed in backward; auto: on GPUs, keep the activations of as many layers as "
-        "the memory left after the second step holds, the most time saved per GiB first (1.0 elsewhere)",
-        (is_recompute_setting, "auto, or a share in [0, 1]"),
-        resumable=True,
-    )
-    compile: bool = setting(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)", resumable=True)
-    float8: bool = setting(
-        False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)", resumable=True
-    )
+    trust_remote_code: bool = resumable(False, "run Python code a hub repo ships (repos you trust)")
+    init: str = setting("pretrained", "pretrained weights, or random (benchmarks)")
+    attn_implementation: str = resumable("auto", "auto, flash_attention_2, torch_varlen, sdpa or eager")
+    master_dtype: str = setting("float32", "weights and AdamW state: float32, or bfloat16 (the seed's, half the size)")
+    param_dtype: str = resumable("bfloat16", "compute dtype of FSDP's all-gathered parameters (or float32)")
+    reduce_dtype: str = resumable("float32", "dtype gradients are reduce-scattered over ranks in (or bfloat16)")
+    activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed; auto: measured on GPUs")
+    compile: bool = resumable(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)")
+    float8: bool = resumable(False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)")
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
     dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
     messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
     tools_column: str = setting("tools", "column holding the tool definitions the chat template is given, if any")
-    reasoning: str = setting(
-        "train", "assistant reasoning: trained with its answer, or dropped", one_of("train", "drop")
-    )
-    eval_split: str = setting("", "held-out split of dataset_name, or a local file; empty: none", resumable=True)
-    eval_fraction: float = setting(0.0, "share of the records held out (seeded), never trained, for eval", FRACTION)
-    eval_blocks: int = setting(8, "eval blocks per rank", AT_LEAST_1, resumable=True)
-    max_seq_len: int = setting(32768, "tokens per packed block", (lambda v: v >= 16, ">= 16"))
-    pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time", AT_LEAST_1)
-    num_workers: int = setting(1, "DataLoader worker processes per rank (0: pack in the training process)", AT_LEAST_0)
-    max_skip_fraction: float = setting(0.2, "stop when more records than this are skipped", FRACTION, resumable=True)
+    reasoning: str = setting("train", "assistant reasoning: train (with its answer) or drop")
+    eval_split: str = resumable("", "held-out split of dataset_name, or a local file; empty: none")
+    eval_fraction: float = setting(0.0, "share in [0, 1] of the records held out (seeded), never trained, for eval")
+    eval_blocks: int = resumable(8, "eval blocks per rank")
+    max_seq_len: int = setting(32768, "tokens per packed block (>= 16)")
+    pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time")
+    num_workers: int = setting(1, "DataLoader worker processes per rank (0: pack in the training process)")
+    max_skip_fraction: float = resumable(0.2, "stop when more records than this share are skipped")
     # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
-    learning_rate: float = setting(1e-5, "peak learning rate", (lambda v: 0 < v < math.inf, "> 0 and finite"))
-    adam_beta1: float = setting(0.9, "AdamW beta1", BETA)
-    adam_beta2: float = setting(0.95, "AdamW beta2", BETA)
-    weight_decay: float = setting(0.0, "AdamW weight decay", AT_LEAST_0)
-    max_grad_norm: float = setting(1.0, "gradient clipping norm", (lambda v: v > 0, "> 0"), resumable=True)
-    max_bad_steps: int = setting(5, "stop after this many non-finite steps in a row", AT_LEAST_1, resumable=True)
-    gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step", AT_LEAST_1)
-    epochs: int = setting(1, "passes over the data", AT_LEAST_1)
-    max_steps: int = setting(0, "> 0: stop after this many steps, no counting pass", AT_LEAST_0, resumable=True)
-    warmup_steps: int = setting(10, "linear warmup steps", AT_LEAST_0)
-    lr_schedule: str = setting("cosine", "decay after warmup", one_of("cosine", "linear", "constant"))
-    min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio", FRACTION)
-    loss_chunk_tokens: int = setting(4096, "loss tokens per LM-head chunk", AT_LEAST_1, resumable=True)
+    learning_rate: float = setting(1e-5, "peak learning rate")
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.95, "AdamW beta2")
+    weight_decay: float = setting(0.0, "AdamW weight decay (weight matrices only)")
+    max_grad_norm: float = resumable(1.0, "gradient clipping norm")
+    max_bad_steps: int = resumable(5, "stop after this many non-finite steps in a row")
+    gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step")
+    epochs: int = setting(1, "passes over the data")
+    max_steps: int = resumable(0, "> 0: stop after this many steps, no counting pass")
+    warmup_steps: int = setting(10, "linear warmup steps")
+    lr_schedule: str = setting("cosine", "decay after warmup: cosine, linear or constant")
+    min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio")
+    loss_chunk_tokens: int = resumable(4096, "loss tokens per LM-head chunk")
     # Output: checkpoints/step_N (sharded, resumable), model/ (the consolidated Hugging Face export), metrics.jsonl
-    output_dir: str = setting("outputs/sft", "checkpoints, model/, metrics.jsonl; resumed from", resumable=True)
-    save_every: int = setting(100, "steps per checkpoint; 0: at the end; -1: never", AT_LEAST_MINUS_1, resumable=True)
-    save_every_minutes: float = setting(0.0, "also save this long after the last; 0: off", AT_LEAST_0, resumable=True)
-    async_save: bool = setting(True, "write checkpoints in the background (host memory holds a copy)", resumable=True)
-    keep_checkpoints: int = setting(2, "complete checkpoints kept", AT_LEAST_1, resumable=True)
-    export: bool = setting(True, "write output_dir/model, the Hugging Face checkpoint, at the end", resumable=True)
-    log_every: int = setting(10, "steps per log line (also logged at every checkpoint)", AT_LEAST_1, resumable=True)
-    eval_every: int = setting(0, "steps per eval; 0: only at the end (with eval data)", AT_LEAST_0, resumable=True)
+    output_dir: str = resumable("outputs/sft", "checkpoints, model/, metrics.jsonl; resumed from")
+    save_every: int = resumable(100, "steps per checkpoint; 0: at the end; -1: never")
+    save_every_minutes: float = resumable(0.0, "also save this long after the last save; 0: off")
+    async_save: bool = resumable(True, "write checkpoints in the background (host memory holds a copy)")
+    keep_checkpoints: int = resumable(2, "complete checkpoints kept")
+    export: bool = resumable(True, "write output_dir/model, the Hugging Face checkpoint, at the end")
+    log_every: int = resumable(10, "steps per log line (also logged at every checkpoint)")
+    eval_every: int = resumable(0, "steps per eval; 0: only at the end (with eval data)")
     seed: int = setting(0, "data order and initialisation")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            value = typed(f, getattr(self, f.name), "Config")
-            object.__setattr__(self, f.name, value)  # frozen: the only writes are here
-            if f.metadata["check"] and not f.metadata["check"][0](value):
-                raise UserError(f"bad configuration: {f.name} must be {f.metadata['check'][1]}, got {value!r}")
-        if self.eval_split and self.eval_fraction:
-            raise UserError("bad configuration: set eval_split or eval_fraction, not both")
-        # A local file has no splits: any split name of it reads the whole file.
-        eval_file, data_file = Path(self.eval_split).suffix, Path(self.dataset_name).suffix
-        split_of_a_file = data_file and not eval_file
-        same = (
-            self.eval_split == self.dataset_split
-            or eval_file
-            and Path(self.eval_split).resolve() == Path(self.dataset_name).resolve()
-        )
-        if self.eval_split and (split_of_a_file or same):
-            raise UserError(
-                f"bad configuration: eval_split {self.eval_split!r} is the training data: give a held-out "
-                "file or split, or set eval_fraction to hold out a share of the records"
-            )
+            object.__setattr__(self, f.name, typed(f, getattr(self, f.name), "Config"))  # frozen: the only writes
+        check_settings(self)
 
 
-def typed(field: dataclasses.Field, value, source: str):
-    """value as the field's type (an int for a float field: YAML reads 1 as an int and 1e-5 as a string), or an
-    error naming the key and where the value came from."""
-    want = type(field.default)
-    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
-    if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if type(value) is not want:
-        raise UserError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
-    return value
-
-
-def load_config(*sources: tuple[str, dict]) -> Config:
-    """Config from its defaults and each (source, {key: value}) in turn, later wins. An unknown key or a wrong
-    type fails naming the key and its source; Config then checks the values."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = {}
-    for source, overrides in sources:
-        for key, value in overrides.items():
-            if key not in fields:
-                near = difflib.get_close_matches(key, fields, n=1)
-                hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(fields)}"
-                raise UserError(f"unknown configuration key {key!r} (from {source}); {hint}")
-            values[key] = typed(fields[key], value, source)
-    return Config(**values)
-
-
-def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise UserError(f"{name} {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise UserError(f"{name} {path} is not valid YAML: {' '.join(str(e).split())}") from e
-    if not isinstance(data, dict):
-        raise UserError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
-    return f"{name} {path}", data
-
-
-def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[Config, argparse.Namespace]:
-    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value. The settings' flags, types
-    and help come from Config's fields; a tool passes its own parser for its own flags (tools/inspect_data.py)."""
-    usage = "train.py [--config FILE] [--KEY VALUE ...]"
-    parser = parser or argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (after $HYPERPARAMETERS_PATH's)")
-    group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
-    for f in dataclasses.fields(Config):
-        resume = "; may change on resume" if f.metadata["resumable"] else ""
-        need = f"; {f.metadata['check'][1]}" if f.metadata["check"] else ""
-        doc = f"{f.metadata['doc']} (default: {f.default!r}{need}{resume})".replace("%", "%%")
-        parse = str if isinstance(f.default, str) else yaml.safe_load
-        kind = type(f.default).__name__.upper()
-        group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        if unknown[0].startswith("--"):  # an unknown key: load_config raises, naming the nearest valid one
-            load_config(("command line", {unknown[0][2:].partition("=")[0]: None}))
-        raise UserError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
-    params = os.environ.get("HYPERPARAMETERS_PATH")  # a Databricks workload's parameters: block
-    sources = [yaml_source(params, "HYPERPARAMETERS_PATH")] if params else []
-    sources += [yaml_source(args.config, "--config")] if args.config else []
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)}
-    return load_config(*sources, ("command line", flags)), args
-
-
-def fixed_on_resume(saved: dict, cfg: Config) -> dict:
-    """The settings a checkpoint was written with that this configuration changes but may not: {key: (old, new)}.
-    A field the checkpoint's train.py did not have yet counts as its default."""
-    old = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cfg)}
-    return {
-        f.name: (old[f.name], getattr(cfg, f.name))
-        for f in dataclasses.fields(cfg)
-        if not f.metadata["resumable"] and old[f.name] != getattr(cfg, f.name)
-    }
-
-
-# ------------------------------------------------------------------------------------------------------------
-# 2. Distributed setup
-# ------------------------------------------------------------------------------------------------------------
-
-
+# ---- Distributed setup -------------------------------------------------------------------------------------------
 @dataclass
 class Dist:
     rank: int
     world_size: int
     device: torch.device
-    owns_group: bool  # we created the process group, so we destroy it
+    owns_group: bool  # the process group was created here, so it is destroyed here
 
 
 def setup_distributed() -> Dist:
-    """Reads RANK/LOCAL_RANK/WORLD_SIZE (set by torchrun, or by a notebook's @distributed decorator) and joins
-    the process group: NCCL on GPUs, gloo on CPU. Without them (a plain `python train.py`, or train() in a
-    notebook's own process) it is a world of one on a free local port: two such runs at once do not collide, and
-    the port a finished one leaves bound in its process is not the next one's."""
+    """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one on a free port."""
     launched = "WORLD_SIZE" in os.environ
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # Expandable segments, as workload.yaml sets them, for every way of launching (docs/BENCHMARKS.md: the stalls
-    # without them). Read at CUDA's first allocation; a setting the user made wins.
+    # Expandable segments however it is launched (docs/BENCHMARKS.md: stalls without); a user's own setting wins.
     if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -316,61 +175,18 @@ def setup_distributed() -> Dist:
     return Dist(rank, world_size, device, owns_group)
 
 
-def exit_with_launcher() -> None:
-    """torchrun starts its workers in sessions of their own: if torchrun alone is killed (SIGKILL), they would
-    train on, writing the checkpoints a restart reads. A thread watches for the launcher's death and exits."""
-    launcher = os.getppid()
-
-    def watch():
-        while os.getppid() == launcher:
-            time.sleep(1)
-        print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def on_every_rank(check, d: Dist):
-    """check() on every rank; a UserError on any rank (a file one node lacks, a directory one rank cannot write)
-    is raised on every rank, naming the rank, so that rank 0 says it and no rank waits in a collective."""
-    try:
-        result, error = check(), None
-    except UserError as e:
-        result, error = None, f"{e} (rank {d.rank})" if d.world_size > 1 else str(e)
-    errors = [None] * d.world_size
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
-    return result
-
-
 def print0(rank: int, *args, file=None) -> None:
     if rank == 0:
         print(*args, file=file, flush=True)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 3. Data: read this rank's shard, mask assistant turns, pack whole conversations into blocks, count them
-# ------------------------------------------------------------------------------------------------------------
+# ---- Data: read this rank's shard, render and mask each conversation, pack whole conversations into blocks -------
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, start: int, skips: Counter):
-    """Yields (index, record) for the records of one disjoint shard from index `start` on: record i belongs to
-    shard i % num_shards.
-
-    Every shard reads the whole stream and keeps its own records (as `split_dataset_by_node` does for a
-    stream whose file count the shard count does not divide), so the split is exact for any source.
-    Records before `start` (a resumed stream) are passed over without being parsed or tokenized.
-    """
+    """(index, record) of shard i % num_shards from `start` on: every shard reads the stream, so any source splits."""
     path = Path(source)
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
@@ -396,86 +212,78 @@ def read_records(source: str, split: str, revision: str, shard: int, num_shards:
 
 
 def data_source(cfg: Config, part: str) -> tuple[str, str]:
-    """(source, split) that a part, "train" or "eval", reads: dataset_name's dataset_split; for eval, eval_split
-    (a split of dataset_name, or a local file) or with eval_fraction the training data (its held-out records)."""
+    """(source, split) of "train" or "eval" (eval_split, or with eval_fraction the training data)."""
     assert part in ("train", "eval"), part
     if part == "train" or cfg.eval_fraction:
         return cfg.dataset_name, cfg.dataset_split
     return (cfg.eval_split, "") if Path(cfg.eval_split).suffix else (cfg.dataset_name, cfg.eval_split)
 
 
-def held_out(index: int, cfg: Config) -> bool:
-    """Whether record `index` of the training data is held out for eval (eval_fraction): a seeded hash of its
-    index, so the same records on every rank, in every epoch and after every resume, and never trained."""
-    return zlib.crc32(f"{cfg.seed}/{index}".encode()) < cfg.eval_fraction * 2**32
+class Skip(Exception):
+    """A record that cannot be trained on; its message, the reason, is counted."""
 
 
-def check_data(cfg: Config, part: str) -> None:
-    """Structural problems stop the run here, before any model is loaded: a missing file, a dataset or split that
-    cannot be read, an empty dataset, a file that is not JSON lines, records without the conversation column."""
-    source, split = data_source(cfg, part)
-    if Path(source).suffix and not Path(source).is_file():
-        raise UserError(f"data file {source} does not exist")
-    counts = Counter()
-    try:  # datasets raises ValueError for a split or configuration the dataset lacks, OSError for what it cannot reach
-        records = read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts)
-        first = [r for _, r in itertools.islice(records, 64)]
-    except (ValueError, OSError) as e:
-        first_line = str(e).strip().split("\n")[0]
-        raise UserError(f"cannot read dataset {source} [{split}]: {first_line}") from e
-    if not first:
-        problem = "has no readable line: is it JSON lines?" if counts else "is empty"
-        raise UserError(f"dataset {source} [{split}] {problem}")
-    if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
-        columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
-        raise UserError(
-            f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; "
-            f"its columns are {columns}: set messages_column to the one holding the conversations"
-        )
+def conversation_of(record, cfg: Config) -> tuple[list, list | None]:
+    """A record's (messages, tools) as templates take them: text parts joined, JSON-text arguments parsed."""
+    if not isinstance(record, dict) or cfg.messages_column not in record:
+        raise Skip(f"missing column {cfg.messages_column!r}")
+    messages, tools = record[cfg.messages_column], record.get(cfg.tools_column)
+    try:
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        if not isinstance(messages, list):
+            return messages, tools  # check_conversation names it
+        joined = []
+        for m in messages:
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list):
+                texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in parts]
+                if not all(isinstance(text, str) for text in texts):
+                    raise Skip("a content part that is not text")
+                m = {**m, "content": "".join(texts)}
+            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+                m = {**m, "tool_calls": [parsed_arguments(call) for call in m["tool_calls"]]}
+                m["content"] = "" if m.get("content") is None else m["content"]  # OpenAI's form: null
+            if cfg.reasoning == "drop" and isinstance(m, dict) and m.get("role") == "assistant":
+                m = {k: v for k, v in m.items() if k != "reasoning_content"}
+                if isinstance(m.get("content"), str) and "</think>" in m["content"]:
+                    m["content"] = m["content"].partition("</think>")[2].lstrip("\n")
+            joined.append(m)
+    except json.JSONDecodeError:
+        raise Skip("tools or tool-call arguments not JSON") from None
+    return joined, tools
 
 
-def conversation_problem(messages) -> str | None:
-    """The reason a conversation cannot be trained on, or None. Reasons are counted, not raised."""
+def parsed_arguments(call):
+    """A tool call's arguments as a mapping, None values dropped (Parquet gives each call every call's keys)."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if isinstance(arguments, dict):
+        arguments = {k: v for k, v in arguments.items() if v is not None}
+    function = {**function, "arguments": arguments}
+    return {**call, "function": function} if "function" in call else function
+
+
+def check_conversation(messages) -> None:
+    """Raises Skip for a conversation that cannot be trained on."""
     if not isinstance(messages, list) or not messages:
-        return "messages not a non-empty list"
+        raise Skip("messages not a non-empty list")
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            return "unknown role"
+            raise Skip("unknown role")
         if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
-            return "empty or non-string content"  # a tool-call turn may have no text
+            raise Skip("empty or non-string content")  # a tool-call turn may have no text
         if not isinstance(m.get("reasoning_content") or "", str):
-            return "non-string reasoning_content"
+            raise Skip("non-string reasoning_content")
     if not any(m["role"] == "assistant" for m in messages):
-        return "no assistant turn"
-    return None
+        raise Skip("no assistant turn")
 
 
 class AssistantMasker:
-    """Tokenizes a conversation with its chat template and marks exactly the assistant turns' tokens.
-
-    Method: render the conversation twice, once as is and once with every message's content (and reasoning)
-    replaced by a placeholder. The placeholder rendering is the template's skeleton; it tells where each content
-    sits. The real rendering must equal the skeleton with each placeholder replaced by the content (as given, or
-    stripped, as many templates trim); if it does not (the template rewrote a content), the conversation is
-    skipped and counted, never trained on a guessed mask.
-    The loss span of an assistant turn runs from its content's first character (its reasoning's, when the
-    template renders one) through the first special token that follows it (the end-of-turn token: <|im_end|>,
-    <|eot_id|>, ...), tool-call text in between included: what the model generates after the template's
-    generation prompt. A turn that only calls tools (empty content) starts where a content would. The span must
-    start and end on token boundaries.
-
-    Reasoning (`reasoning_content`, or `<think>...</think>` at the start of a content, for templates that render
-    reasoning_content): trained with its answer, in the text the template renders, which for Qwen3.5 is
-    `<think>\n` (the end of its generation prompt) + reasoning + `\n</think>\n\n` + answer. Qwen3.5 renders the
-    reasoning of the turns after the last user message only; each earlier turn that has one becomes a sample of
-    its own that ends with that turn (see samples()), where its reasoning is rendered as at inference.
-
-    The empty think block: Qwen3/3.5 templates put `<think>\n\n</think>\n\n` before the content of an assistant
-    turn without reasoning after the last user message; it is outside the span and not trained. That is
-    deliberate: with thinking off the template puts the same text in the prompt, so the model never generates
-    it, and training the model to emit an empty think block would teach it to skip reasoning when thinking is
-    on. Every turn without reasoning is then trained the same way, wherever it sits.
-    """
+    """Tokenizes a conversation with its chat template and masks all but its assistant turns (README, "Loss mask"):
+    rendered as is and with placeholders, the first must be the second with the texts put back, else it is skipped."""
 
     def __init__(self, tokenizer):
         if not tokenizer.chat_template:
@@ -484,51 +292,43 @@ class AssistantMasker:
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
         self.renders_reasoning = "reasoning_content" in tokenizer.chat_template
 
-    def samples(self, messages: list[dict], tools: list | None = None) -> list[tuple[list[int], list[bool]]] | str:
-        """The conversation's training samples, [(token ids, loss mask), ...], or the reason it is skipped: one
-        sample, plus one for each assistant turn whose reasoning the full rendering leaves out."""
+    def samples(self, messages: list[dict], tools: list | None = None) -> list[tuple[list[int], list[bool]]]:
+        """[(ids, mask), ...]: the conversation, and each turn whose reasoning it leaves out (README, "Reasoning")."""
         messages = [self.reasoning_apart(m) for m in messages]
-        full = self.render(messages, tools)
-        if isinstance(full, str) or not full[2]:
-            return full if isinstance(full, str) else [full[:2]]
-        dropped, samples = full[2], []
-        for i in [None, *sorted(dropped)]:  # the whole conversation without those turns, then each with its past
-            if i is None:
-                one = self.render(messages, tools, skip=dropped)
-            else:
-                one = self.render(messages[: i + 1], tools, skip=set(range(i)))
-            if isinstance(one, str) or i in one[2]:
-                return one if isinstance(one, str) else "template drops the reasoning of a last turn"
-            samples.append(one[:2])
+        ids, mask, dropped = self.render(messages, tools)
+        if not dropped:
+            return [(ids, mask)]
+        samples = [self.render(messages, tools, skip=dropped)[:2]]  # the whole conversation without those turns
+        for i in sorted(dropped):  # then each of them with its past
+            ids, mask, still = self.render(messages[: i + 1], tools, skip=set(range(i)))
+            if i in still:
+                raise Skip("template drops the reasoning of a last turn")
+            samples.append((ids, mask))
         return samples
 
-    def __call__(self, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[bool]] | str:
-        """One rendering of the whole conversation: (token ids, loss mask), or the reason it is skipped."""
-        result = self.render([self.reasoning_apart(m) for m in messages], tools)
-        return result if isinstance(result, str) else result[:2]
+    def __call__(self, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[bool]]:
+        """One rendering of the whole conversation: (ids, mask)."""
+        return self.render([self.reasoning_apart(m) for m in messages], tools)[:2]
 
     def reasoning_apart(self, m: dict) -> dict:
-        """`<think>...</think>` at the start of an assistant content as reasoning_content, for templates that
-        render reasoning_content (Qwen3.5 splits it off itself, which would change the content it renders)."""
+        """`<think>...</think>` at an assistant content's start as reasoning_content, for templates that render it."""
         content = m["content"]
         if not self.renders_reasoning or m["role"] != "assistant" or "</think>" not in content:
             return m
         reasoning, _, answer = content.partition("</think>")
         return {**m, "reasoning_content": reasoning.split("<think>")[-1].strip("\n"), "content": answer.lstrip("\n")}
 
-    def render(self, messages: list[dict], tools, skip=()) -> tuple[list[int], list[bool], set] | str:
-        """(token ids, loss mask over the assistant turns not in skip, the turns whose reasoning the template did
-        not render), or the reason the conversation is skipped."""
+    def render(self, messages: list[dict], tools, skip=()) -> tuple[list[int], list[bool], set]:
+        """(ids, mask over the assistant turns not in skip, the turns whose reasoning the template left out)."""
         texts = [
             m["content"] + (m.get("reasoning_content") or "") + json.dumps(m.get("tool_calls"), default=str)
             for m in messages
         ]
         if any(s in t for t in texts + [json.dumps(tools, default=str)] for s in self.special):
-            return "special-token text in a content"  # it would be tokenized as real turn markers
+            raise Skip("special-token text in a content")  # it would be tokenized as real turn markers
         if not self.renders_reasoning and any(m.get("reasoning_content") for m in messages):
-            return "reasoning the template does not render (set reasoning: drop)"
-        # An empty content (an assistant turn that only calls tools) keeps no placeholder: templates render the
-        # calls differently after a content (Qwen3.5: a blank line first).
+            raise Skip("reasoning the template does not render (set reasoning: drop)")
+        # A tool-call-only turn's empty content gets no placeholder: templates render calls differently after one.
         slots = []  # (message index, placeholder, its text) in the order a template renders them
         skeleton_messages = []  # the messages with the placeholders in place of their texts
         for i, m in enumerate(messages):
@@ -545,51 +345,46 @@ class AssistantMasker:
             empty = [i for i, m in enumerate(messages) if not m["content"] and i not in skip]
             call_only = {i: self.call_only_turn(render, messages, i, text) for i in empty}
         except Exception as e:  # jinja2's TemplateError, or whatever the template's own raise_exception gives
-            return f"chat template error: {str(e)[:80]}"
+            raise Skip(f"chat template error: {str(e)[:80]}") from None
         dropped = {i for i, holder, _ in slots if holder[1] == "r" and holder not in skeleton}
         if None in call_only.values():
-            return "template renders content-dependently"
+            raise Skip("template renders content-dependently")
         spans, pos, rest, reasoning_at = [], 0, skeleton, {}
         for i, holder, value in [slot for slot in slots if slot[0] not in dropped or slot[1][1] == "c"]:
             before, found, rest = rest.partition(holder)
             if not found or not text.startswith(before, pos):
-                return "template renders content-dependently"
+                raise Skip("template renders content-dependently")
             pos += len(before)
             after = rest.split("\ue000", 1)[0]  # skeleton text up to the next placeholder
             value = next((v for v in (value, value.strip()) if text.startswith(v + after, pos)), None)
-            if value is None:
-                return "template renders content-dependently"
+            if value is None:  # neither as given nor stripped (as many templates trim)
+                raise Skip("template renders content-dependently")
             if holder[1] == "r":
                 reasoning_at[i] = pos  # the span of a turn with rendered reasoning starts with it
             elif messages[i]["role"] == "assistant" and i not in skip:
                 end = self.end_of_turn(after)
                 if end is None:
-                    return "no end-of-turn token after an assistant turn"
+                    raise Skip("no end-of-turn token after an assistant turn")
                 spans.append((reasoning_at.get(i, pos), pos + len(value) + end))
             pos += len(value)
         if text[pos:] != rest:
-            return "template renders content-dependently"
+            raise Skip("template renders content-dependently")
         spans += [(reasoning_at.get(i, start), end) for i, (start, end) in call_only.items()]
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)  # spans: character ranges
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         mask = [any(a <= start and end <= b for a, b in spans) for start, end in offsets]
-        starts = {start for start, _ in offsets}
-        ends = {end for _, end in offsets}
+        starts, ends = {start for start, _ in offsets}, {end for _, end in offsets}
         if any(a not in starts or b not in ends for a, b in spans):
-            return "assistant span not on token boundaries"
+            raise Skip("assistant span not on token boundaries")
         return ids, mask, dropped
 
     def end_of_turn(self, text: str, start: int = 0) -> int | None:
-        """Where the first special token at or after start ends (the longest one that starts there), or None."""
+        """Where the first special token at or after start ends (the longest one there), or None."""
         first = min((k for k in (text.find(s, start) for s in self.special) if k >= 0), default=-1)
         return None if first < 0 else first + max(len(s) for s in self.special if text.startswith(s, first))
 
     def call_only_turn(self, render, messages: list[dict], i: int, text: str) -> tuple[int, int] | None:
-        """The loss span of assistant turn i, whose content is empty (it only calls tools): from where a content
-        would start (found by rendering one in its place; the text before it must not change) or, for a template
-        that renders no content beside calls (Llama 3.1), from the end of its generation prompt, through the first
-        special token after it, the end of the turn, which must hold the calls' names. None if the template
-        renders the turn otherwise (puts the calls before a content, say)."""
+        """The span of a turn that only calls tools, from where a content would start; None if rendered otherwise."""
         variant = render([{**m, "content": "\ue000"} if j == i else m for j, m in enumerate(messages)])
         start, m = variant.find("\ue000"), messages[i]
         prefix = variant[:start] if start >= 0 else render(messages[:i], add_generation_prompt=True)
@@ -601,72 +396,23 @@ class AssistantMasker:
         return start, end
 
 
-def conversation_of(record, cfg: Config) -> tuple[list, list | None] | str:
-    """A record's (messages, tools) in the form chat templates take, or the reason to skip it: content given as
-    parts ([{"type": "text", "text": ...}]) has its texts joined, as the Qwen3.5 and Llama 3.1 templates join
-    them (an image or audio part skips the record); tool definitions and tool-call arguments given as JSON text
-    (OpenAI's form) are parsed."""
-    if not isinstance(record, dict) or cfg.messages_column not in record:
-        return f"missing column {cfg.messages_column!r}"
-    messages, tools = record[cfg.messages_column], record.get(cfg.tools_column)
-    try:
-        tools = json.loads(tools) if isinstance(tools, str) else tools
-        if not isinstance(messages, list):
-            return messages, tools  # conversation_problem names it
-        joined = []
-        for m in messages:
-            parts = m.get("content") if isinstance(m, dict) else None
-            if isinstance(parts, list):
-                if not all(
-                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
-                ):
-                    return "a content part that is not text"
-                m = {**m, "content": "".join(p["text"] for p in parts)}
-            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
-                m = {**m, "tool_calls": [parsed_arguments(call) for call in m["tool_calls"]]}
-                m["content"] = "" if m.get("content") is None else m["content"]  # OpenAI's form: null
-            if cfg.reasoning == "drop" and isinstance(m, dict) and m.get("role") == "assistant":
-                m = {k: v for k, v in m.items() if k != "reasoning_content"}
-                if isinstance(m.get("content"), str) and "</think>" in m["content"]:
-                    m["content"] = m["content"].partition("</think>")[2].lstrip("\n")
-            joined.append(m)
-    except json.JSONDecodeError:
-        return "tools or tool-call arguments not JSON"
-    return joined, tools
-
-
-def parsed_arguments(call):
-    """A tool call's arguments as a mapping: parsed from JSON text; None values dropped (a hub or Parquet
-    dataset gives every call the keys of all of them, None where a call has none)."""
-    function = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(function, dict):
-        return call
-    arguments = function.get("arguments")
-    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    if isinstance(arguments, dict):
-        arguments = {k: v for k, v in arguments.items() if v is not None}
-    function = {**function, "arguments": arguments}
-    return {**call, "function": function} if "function" in call else function
-
-
 EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside conversations, not a skip reason
 
 
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
-    """Yields (index, samples) per trainable conversation, samples a list of (ids, mask) (more than one when
-    earlier turns' reasoning needs samples of their own); counts every skip by reason and every truncation."""
+    """(index, samples) per trainable record; counts skips by reason, truncations and extra samples."""
     for index, record in records:
-        result = conversation_of(record, cfg)
-        if not isinstance(result, str):
-            messages, tools = result
-            result = conversation_problem(messages) or masker.samples(messages, tools)
-        if isinstance(result, str):
-            counts[result] += 1
+        try:
+            messages, tools = conversation_of(record, cfg)
+            check_conversation(messages)
+            result = masker.samples(messages, tools)
+        except Skip as reason:
+            counts[str(reason)] += 1
             continue
         samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
         if any(len(ids) > cfg.max_seq_len for ids, _ in result):
             counts["truncated"] += 1
-        # A sample may have no trained turn left: truncated, or all its turns were trained in samples of their own.
+        # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
         samples = [(ids, mask) for ids, mask in samples if any(mask[1:])]
         if not samples:
             counts["no loss tokens after truncation"] += 1
@@ -678,15 +424,13 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
 
 
 def skip_reasons(counts: dict) -> dict:
-    """The skipped records by reason, from a stream's counts (which also hold conversations and truncations)."""
+    """The skipped records by reason, from a stream's counts."""
     return {k: v for k, v in counts.items() if k not in ("conversations", "truncated", EXTRA_SAMPLES)}
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices, each bin's lengths summing to <= capacity. Longest first, each into the fullest
-    bin it still fits (best fit); within 11/9 of the optimal bin count. Every length must be <= capacity."""
-    bins: list[list[int]] = []
-    room: list[int] = []
+    """Bins of indices, lengths summing to <= capacity: longest first, each into the fullest bin it fits."""
+    bins, room = [], []  # each bin's items, and the room left in it
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
         if fits:
@@ -700,13 +444,12 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad_id: int) -> dict:
-    """One packed block from whole conversations, with the signals that keep them apart.
+    """One packed block of whole conversations with the signals that keep them apart. Segments of 3 and 2 tokens in 7
+    (the padding is a segment of its own):
 
-    Worked example, segments of 3 and 2 tokens, block_len 7 (2 tokens of padding, a segment of its own):
       position_ids [0 1 2 0 1 0 1]   cu_seqlens [0 3 5 7]   seq_idx [0 0 0 1 1 2 2]   max_length 3
-      labels: the token where the mask is set, else -100; always -100 on each segment's first token (its
-      causal target would come from the previous segment) and on padding.
-    """
+
+    labels: the masked-in tokens, else -100, also on each segment's first token (its target is the previous one's)."""
     pad = block_len - sum(len(seg_ids) for seg_ids, _ in segments)
     assert pad >= 0, "segments longer than the block"
     padding = [([pad_id] * pad, [False] * pad)] if pad else []
@@ -730,12 +473,19 @@ def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad
     }
 
 
+def filler_block(pad_id: int) -> dict:
+    """What a rank whose data ran out feeds FSDP's collectives while others train: loss and gradient 0."""
+    return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
+
+
+def pad_token_id(tokenizer) -> int:
+    """Padding carries no loss, so any id will do; Llama's tokenizer has no pad token: end-of-sequence."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 @dataclass
 class StreamPosition:
-    """Where a block sits in its data stream: its buffer's start, and the stream's counts (conversations, skips
-    by reason, truncations) when the buffer started and once it was read; built once per buffer, each block gets
-    a copy with its number. A resumed stream restarts at `record`, re-packs the buffer, passes over the blocks
-    already taken and restores its counts from counts_at_start."""
+    """Where a block sits in its stream: a resume packs its buffer again and passes over the blocks taken."""
 
     slot: int  # the DataLoader worker slot that reads this stream
     epoch: int
@@ -747,18 +497,9 @@ class StreamPosition:
 
 
 class PackedBlocks(IterableDataset):
-    """This rank's packed blocks, `epochs` passes over its shard, for a DataLoader with batch_size=None.
-
-    Shards are disjoint per (rank, DataLoader worker): worker slot s of rank r reads shard r * workers + s.
-    Each worker fills a buffer with pack_buffer_blocks blocks' worth of conversations, packs it by best-fit
-    decreasing, and yields its blocks in a seeded random order (the packer emits the longest conversations
-    first). Nothing carries over between buffers, so a block's place in its stream is its buffer's
-    StreamPosition and its number in the buffer.
-
-    resume: a Progress, whose streams hold the position of each stream's last consumed block and next_slot
-    the slot of the next block. The DataLoader takes blocks from its workers in turn,
-    starting with worker 0, so worker w reads slot (w + next_slot) % workers: the turn order goes on.
-    """
+    """This rank's blocks, `epochs` passes over its shard: worker slot s of rank r reads shard r * workers + s and packs
+    buffers of pack_buffer_blocks blocks' worth, yielding them in a seeded order. resume: a Progress; worker w reads
+    slot (w + next_slot) % workers, the DataLoader's turn order."""
 
     def __init__(self, cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
         self.cfg, self.tok, self.part = cfg, tokenizer, part
@@ -771,8 +512,7 @@ class PackedBlocks(IterableDataset):
         slot = (worker_id + self.next_slot) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
         source, split = data_source(cfg, self.part)
-        masker = AssistantMasker(self.tok)
-        pad_id = pad_token_id(self.tok)
+        masker, pad_id = AssistantMasker(self.tok), pad_token_id(self.tok)
         at = self.streams.get(slot, StreamPosition(slot, 0, 0, 0, {}, {}))
         counts = Counter(at.counts_at_start)
         for epoch in range(at.epoch, self.epochs):
@@ -780,8 +520,9 @@ class PackedBlocks(IterableDataset):
             # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
             tally = counts if epoch == 0 else Counter()
             records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, tally)
-            if cfg.eval_fraction:  # the held-out records are eval's, the others training's
-                records = ((i, r) for i, r in records if held_out(i, cfg) == (self.part == "eval"))
+            if cfg.eval_fraction:  # records held out by a seeded hash of the index: the same on any ranks, each epoch
+                eval_part, cut = self.part == "eval", cfg.eval_fraction * 2**32
+                records = ((i, r) for i, r in records if (zlib.crc32(f"{cfg.seed}/{i}".encode()) < cut) == eval_part)
             buffer, buffered, start_counts = [], 0, dict(counts)
             for index, samples in tokenize_stream(records, masker, cfg, tally):  # a record's samples share a buffer
                 buffer += samples
@@ -793,7 +534,7 @@ class PackedBlocks(IterableDataset):
                     start_counts = dict(counts)
             where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
             yield from self._pack(buffer, pad_id, shard, where, skip)
-        # The stream's end: an item without a block that carries its final counts (a rank whose records all were
+        # The stream's end: an item without a block that carries its final counts (a rank whose records were all
         # skipped makes no block, yet its counts must reach the totals). Resumed from, it starts past the last epoch.
         yield {"position": StreamPosition(slot, self.epochs, 0, 0, dict(counts), dict(counts))}
 
@@ -807,121 +548,33 @@ class PackedBlocks(IterableDataset):
 
 def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
     blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume)
-    # Workers pack while the GPU trains. Each worker is its own shard: the DataLoader takes blocks from the
-    # workers in turn and goes on with the others when one runs out.
+    # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
     extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
     extra = extra if cfg.num_workers else {}
-    return DataLoader(
-        blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(), **extra
-    )
-
-
-COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
-
-
-def leave_process_group(worker_id: int) -> None:
-    """A DataLoader worker leaves its training process's process group: torchrun sends SIGTERM to the group, and it
-    is for the training process to handle (it finishes the step and saves; its workers then go down with it)."""
-    os.setpgrp()
-
-
-def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
-    """The counting pass, for a stream of unknown length: pack this rank's shard once (no model needed), so
-    the total step count is exact and bad data shows up before any weights are loaded. Returns the largest
-    per-rank block count and the packing statistics summed over ranks."""
-    seen, tokens, loss_tokens, shown = Progress(), 0, 0, time.monotonic()
-    loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
-    for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
-        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
-        if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
-            shown = time.monotonic()
-            print0(
-                d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {block['position'].record:,} records in"
-            )
-    totals = [None] * d.world_size
-    dist.all_gather_object(totals, (seen.blocks, tokens, loss_tokens, seen.stream_counts()))
-    blocks_per_rank = [t[0] for t in totals]
-    counts = sum((Counter(t[3]) for t in totals), Counter())
-    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
-    skipped = skip_reasons(counts)
-    stats = {
-        "blocks": sum(blocks_per_rank),
-        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
-        "conversations": counts["conversations"],
-        "non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4),
-        "loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4),
-        "extra_samples_for_reasoning": counts[EXTRA_SAMPLES],
-        "truncated": counts["truncated"],
-        "skipped": sum(skipped.values()),
-        "skipped_by_reason": skipped,
-    }
-    return max(blocks_per_rank), stats
-
-
-def step_count(cfg: Config, tokenizer, d: Dist, meta: dict | None) -> tuple[int, dict | None]:
-    """max_steps if set (also when resuming: a larger one extends the run); else the count a resumed run started
-    with; else the counting pass's, with its packing statistics."""
-    if cfg.max_steps or meta:
-        return cfg.max_steps or meta["total_steps"], None
-    t0 = time.perf_counter()
-    max_blocks, stats = count_blocks(cfg, tokenizer, d)
-    print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.perf_counter() - t0:.0f}s)")
-    if max_blocks == 0:
-        raise UserError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
-    check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], stats["skipped_by_reason"], cfg)
-    return math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps), stats
-
-
-def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
-    if records and skipped / records > cfg.max_skip_fraction:
-        raise UserError(
-            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
-            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
-        )
-
-
-def pad_token_id(tokenizer) -> int:
-    """Padding never carries loss, so any id will do; Llama's tokenizer has no pad token: use end-of-sequence."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def from_hub(load, name: str):
-    """Runs a hub load; a gated or private repo without a token becomes an error that says what to do."""
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    try:
-        return load()
-    except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
-        cause = e if isinstance(e, (GatedRepoError, RepositoryNotFoundError)) else e.__cause__
-        if isinstance(cause, (GatedRepoError, RepositoryNotFoundError)) and not os.environ.get("HF_TOKEN"):
-            raise UserError(
-                f"{name} is gated or private and HF_TOKEN is not set: accept its license on the hub, "
-                "then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
-            ) from e
-        first_line = str(e).strip().split("\n")[0]
-        raise UserError(f"cannot load {name}: {first_line} (a local directory, or the hub name and network?)") from e
+    pinned = torch.cuda.is_available()
+    return DataLoader(blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=pinned, **extra)
 
 
 def load_tokenizer(cfg: Config):
-    from transformers import AutoTokenizer
-
     name = cfg.tokenizer_name or cfg.model_name
     revision = (cfg.model_revision or None) if not cfg.tokenizer_name and not Path(name).exists() else None
-    remote_code = cfg.trust_remote_code
-    return from_hub(lambda: AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=remote_code), name)
+    load = partial(
+        transformers.AutoTokenizer.from_pretrained, name, revision=revision, trust_remote_code=cfg.trust_remote_code
+    )
+    return from_hub(load, name)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 4. Model: check kernels, build, activation checkpointing, FSDP2, load
-# ------------------------------------------------------------------------------------------------------------
+def step_count(cfg: Config, tokenizer, d: Dist, meta: dict | None) -> tuple[int, dict | None]:
+    """max_steps if set; else a resumed run's count; else the counting pass's (a stream has no length)."""
+    if cfg.max_steps or meta:
+        return cfg.max_steps or meta["total_steps"], None
+    max_blocks, stats = count_blocks(cfg, tokenizer, d)
+    return math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps), stats
 
 
+# ---- Model: build, activation checkpointing, FSDP2, load ---------------------------------------------------------
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function over PyTorch's own varlen flash kernel (no flash-attn build needed).
-
-    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]. Segments come from cu_seq_lens_q;
-    the attention mask is unused (transformers builds none for a name without a registered mask function).
-    """
+    """transformers attention over PyTorch's varlen flash kernel: [1, H, T, D] in, [1, T, H, D] out."""
     from torch.nn.attention.varlen import varlen_attn
 
     unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
@@ -936,128 +589,36 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     return out.unsqueeze(0), None
 
 
-def resolve_attention(requested: str, device: torch.device) -> str:
-    """auto: flash-attn if installed; else on CUDA PyTorch's varlen flash kernel; else sdpa, for which
-    transformers derives the block-diagonal mask from the reset position_ids (only without a cache)."""
-    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
-    if requested == "auto":
-        requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
-    if requested == "flash_attention_2" and not has_flash_attn:
-        raise UserError(
-            "attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
-            "--no-build-isolation, or use torch_varlen (CUDA) / sdpa"
-        )
-    if requested == "torch_varlen":
-        if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
-            raise UserError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
-        from transformers import AttentionInterface
-
-        AttentionInterface.register("torch_varlen", torch_varlen_attention)
-    return requested
-
-
-def require_kernels(config) -> None:
-    """Hybrid models (any linear_attention layer) need the fused kernels: without them transformers either
-    refuses the packed signals deep inside the first forward or, given position_ids alone, silently lets the
-    recurrent and convolution state flow from one packed conversation into the next."""
-    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
-        return
-    needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
-    missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
-    if missing:
-        raise UserError(
-            f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
-            "pip install flash-linear-attention, and build causal-conv1d against your torch "
-            "(bash scripts/setup_node.sh does both)"
-        )
-    if fla_refuses_hopper_backward():
-        raise UserError(
-            "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4, "
-            "< 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead: "
-            "pip install tilelang==0.1.15 (scripts/setup_node.sh does) and put nvcc on PATH, or use torch >= 2.12.1"
-        )
-
-
-def fla_refuses_hopper_backward() -> bool:
-    """fla's own guard condition (it raises at the first backward, after the counting pass and the weight load):
-    a Hopper GPU, Triton >= 3.4 and < 3.7.1, and no usable TileLang backend (tilelang installed, an nvcc found,
-    FLA_TILELANG not 0), to which fla then sends the affected kernel."""
-    import fla.ops.common.chunk_o as guard
-    from fla.ops.common.backends.tilelang import CommonTileLangBackend
-
-    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
-    return guarded and not CommonTileLangBackend.can_use()
-
-
-def check_model_settings(config, cfg: Config, device: torch.device) -> None:
-    """The settings build_model applies that this model and device must support: the block length within the
-    model's positions; float8's GPU and package."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_seq_len > limit:
-        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
-    if cfg.float8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
-        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
-    if cfg.float8 and importlib.util.find_spec("torchao") is None:
-        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
-
-
-def pretrained_dir(cfg: Config) -> Path:
-    """The checkpoint's directory: model_name itself if local, else a hub snapshot of its safetensors, configs
-    and tokenizer files in HF_HOME. Every rank asks for it: huggingface_hub's file locks let one process of a
-    node download each file while the others wait on the lock (not in a collective, which would time out
-    while 55 GB download). Weights are read from safetensors only: pickled .bin files can run code."""
-    path = Path(cfg.model_name)
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        patterns = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
-        revision = cfg.model_revision or None
-        download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
-        path = Path(from_hub(download, cfg.model_name))
-    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
-        raise UserError(
-            f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
-            "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
-        )
-    return path
-
-
 def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
-    """The model's config (hub or local) with the cache off."""
-    from transformers import AutoConfig
-
+    """The model's config, its cache off."""
     revision = revision if not Path(name).exists() else ""
-    load = partial(AutoConfig.from_pretrained, name, revision=revision or None, trust_remote_code=trust_remote_code)
+    load = partial(
+        transformers.AutoConfig.from_pretrained, name, revision=revision or None, trust_remote_code=trust_remote_code
+    )
     config = from_hub(load, str(name))
-    # use_cache=False on the config and the text config: with a cache, transformers does not derive the
-    # block-diagonal mask from position_ids and packed conversations attend to each other.
+    # With a cache, transformers derives no block-diagonal mask from position_ids: packed conversations would mix.
     config.use_cache = False
     config.get_text_config().use_cache = False
     return config
 
 
-def build_model(config, cfg: Config, attn: str, device: torch.device):
-    """The model, sharded, with uninitialised parameters: built on the meta device (no memory), activation
-    checkpointing, fully_shard each decoder layer then the root (which keeps the embeddings, final norm,
-    LM head and any vision tower), then each rank allocates only its own shards. Parameters are kept in
-    master_dtype, all-gathered in param_dtype, gradients reduce-scattered in reduce_dtype. VLM-layout checkpoints
-    such as qwen3_5 use their image-text class, so every tensor the checkpoint has is loaded and exported."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def recompute_share(value: str) -> float | None:
+    """activation_checkpointing as the share of layers to recompute; None for auto."""
+    return None if value == "auto" else float(value)
 
-    image_text = type(config) in AutoModelForImageTextToText._model_mapping
-    model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+
+def build_model(config, cfg: Config, attn: str, device: torch.device):
+    """The model, sharded: built on the meta device, activation checkpointing, fully_shard each decoder layer then the
+    root, each rank's shards allocated; kept in master_dtype, computed in param_dtype."""
+    image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping
+    model_class = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    kwargs = dict(
+        attn_implementation=attn, dtype=getattr(torch, cfg.master_dtype), trust_remote_code=cfg.trust_remote_code
+    )
     with torch.device("meta"):
-        model = model_class.from_config(
-            config,
-            attn_implementation=attn,
-            dtype=getattr(torch, cfg.master_dtype),
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        model = model_class.from_config(config, **kwargs)
     # Text-only SFT trains the decoder and the LM head. Anything else (a VLM's vision tower) would get no gradient,
-    # so AdamW would hold no state for it and a resume could not match the checkpoint: freeze it. It is still
-    # saved and exported.
+    # so AdamW would hold no state for it and a resume could not match the checkpoint: freeze it (still exported).
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
@@ -1066,57 +627,41 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     layers = model.get_decoder().layers
     share = recompute_share(cfg.activation_checkpointing)
     if share is None or share > 0:
-        # transformers wraps each decoder layer's forward, inside FSDP's hooks, so a recomputed layer does not
-        # all-gather its parameters a second time outside FSDP's bookkeeping. A fraction f < 1 recomputes an
-        # evenly spread f of the layers; the others keep their activations (docs/BENCHMARKS.md: GiB per layer).
-        # auto starts with every layer recomputed; RecomputeProbe keeps layers' activations after the second step.
+        # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping). A
+        # share f recomputes an evenly spread f of the layers; auto starts with all (RecomputeProbe keeps some).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         n = len(layers)
         k = round((1.0 if share is None else share) * n)  # layers recomputed; integer arithmetic spreads them
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
     if cfg.float8:
-        # Only the MLPs: they hold ~70% of a layer's matmul FLOPs and are compiled, so float8's scaling and casts
-        # fuse into neighbouring kernels; eager, each cast would be a pass over memory of its own.
-        # The weights stay parameters of their dtype and names: checkpoints and the export do not change.
+        # The MLPs only: ~70% of the matmul FLOPs, and compiled (the casts fuse). Weights keep their dtype and names.
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         recipe = Float8LinearConfig.from_recipe_name("rowwise")
-        for layer in layers:
-            for module in layer.modules():
-                if type(module).__name__.endswith("MLP"):
-                    convert_to_float8_training(module, config=recipe)
+        for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith("MLP")):
+            convert_to_float8_training(module, config=recipe)
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=getattr(torch, cfg.reduce_dtype)
-    )
+    dtypes = getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
-    # Buffers are not in the checkpoint (rotary inv_freq): compute them, as transformers' own meta-device
-    # loading does, with the model's initialiser applied to the modules that hold them.
+    # Buffers (rotary inv_freq) are in no checkpoint: the model's initialiser computes them, as transformers does.
     for module in model.modules():
         if module._buffers:
             model._init_weights(module)
-    # token_losses calls the decoder and the LM head directly, not model.forward; registering it makes FSDP
-    # all-gather the root's parameters around it as it does around forward.
+    # token_losses skips model.forward: registered, FSDP all-gathers the root's parameters around it too.
     model.token_losses = token_losses.__get__(model)
     register_fsdp_forward_method(model, "token_losses")
     return model
 
 
 def compile_elementwise(layers) -> None:
-    """torch.compile the decoder layers' RMSNorms and MLPs. In eager mode each is a chain of memory-bound
-    elementwise kernels (the norms upcast to fp32 and write every intermediate; SiLU and the gate product are
-    separate passes over the MLP's 17,408-wide rows in the 27B); compiled, each chain is one or two fused
-    kernels, and fewer intermediates are saved for backward (docs/BENCHMARKS.md measures both).
-    The token mixers stay eager: fla's Triton kernels and causal-conv1d are opaque to the compiler. Shapes are
-    static: one graph per input shape and grad mode (a norm sees up to three shapes: hidden states, query and
-    key heads; x training and eval; x full and filler blocks), hence the raised recompile limit (8 by default;
-    past it dynamo runs new shapes eagerly, with a warning)."""
+    """torch.compile the layers' norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in layers:
         for module in layer.modules():
@@ -1124,20 +669,8 @@ def compile_elementwise(layers) -> None:
                 module.compile(dynamic=False)
 
 
-def checkpoint_dtypes(path: Path) -> dict:
-    """{tensor name: dtype} of a Hugging Face safetensors checkpoint, from its headers."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
-    return {name: meta.properties.dtype for name, meta in metadata.items()}
-
-
 def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
-    """Each rank reads only its own slices of the safetensors files (DCP's HuggingFaceStorageReader), cast to
-    the master dtype: no rank ever holds the whole model. Tensors the model has no module for (mtp.* heads)
-    stay in the files; every parameter must be found, except an LM head tied to the embeddings."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
+    """Each rank reads only its own slices of the safetensors files: no rank holds the whole model."""
     state = model.state_dict()
     tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
     missing = [k for k in state if k not in source_dtypes and k != tied_head]
@@ -1147,25 +680,21 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
 
 
 def init_random(model, seed: int) -> None:
-    """init: random. The model's own initialiser on this rank's shards, for benchmarks and tests: no weights to
-    read, and the step times are those of a real run. (On CPU, DTensor draws every rank's shard from the same
-    generator state, so the shards repeat: fine for timing and tests, not for training.)"""
-    from torch.distributed.tensor.experimental import implicit_replication
-
+    """init: random (benchmarks and tests): the model's own initialiser on this rank's shards."""
     torch.manual_seed(seed)
-    # implicit_replication: initialisers that copy a plain tensor into a sharded parameter (qwen3_5's A_log) copy
-    # this rank's slice of it.
+    # implicit_replication: an initialiser that copies a plain tensor into a shard (A_log) copies this rank's slice.
     with torch.no_grad(), implicit_replication():
         for module in model.modules():
             model._init_weights(module)
 
 
+# ---- Loss: the LM head and cross-entropy on the loss positions only, in chunks -----------------------------------
 def packed_inputs(block: dict) -> dict:
     """The model's inputs for a packed block: the token ids and the signals that keep its conversations apart."""
     return {
         "input_ids": block["input_ids"],
         "position_ids": block["position_ids"],  # full attention: rotary positions, and sdpa's block mask
-        "cu_seq_lens_q": block["cu_seqlens"],  # varlen attention and the gated-delta rule
+        "cu_seq_lens_q": block["cu_seqlens"],  # varlen attention and the gated delta rule
         "cu_seq_lens_k": block["cu_seqlens"],
         "max_length_q": block["max_length"],
         "max_length_k": block["max_length"],
@@ -1175,39 +704,24 @@ def packed_inputs(block: dict) -> dict:
 
 
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
-    """Per-token cross-entropy (fp32) at the block's loss positions, in the order they appear.
-
-    The LM head runs only on positions whose next token is a loss target, chunk_tokens at a time: the
-    full-vocabulary logits of a 32k block (248,320 columns, 16 GB in bf16) are never formed. With gradients on,
-    HeadLoss computes each chunk's gradients in the forward. The hidden state at t predicts labels[t + 1]
-    (labels follow the Hugging Face convention).
-    """
+    """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks."""
     hidden = model.model(**packed_inputs(block)).last_hidden_state[0]
     targets = block["labels"][0, 1:]
     where = (targets != -100).nonzero().squeeze(1)
-    # A block without loss tokens still goes through HeadLoss, so the graph (and FSDP's backward hooks) stays
-    # connected: its loss is an exact 0, never a NaN.
+    # A block without loss tokens still runs HeadLoss, keeping FSDP's backward hooks connected: an exact 0 loss.
     head = model.get_output_embeddings()
     return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled())
 
 
 class HeadLoss(torch.autograd.Function):
-    """The LM head and cross-entropy over the loss positions, with their gradients computed in the forward.
-
-    Per chunk the forward forms the log-probabilities (fp32), each token's loss, and d loss / d logits =
-    softmax - one-hot, and multiplies that at once into the gradients of the hidden states and of the head's
-    weight; backward only scales them. A chunk's logits are formed once and never kept: checkpointing each chunk
-    instead formed them a second time in backward (the head's matmul again; docs/BENCHMARKS.md, fourth round,
-    has what that cost). The weight's gradient is summed over all tokens before backward knows their upstream
-    gradients, so it holds only when every token's loss has the same weight: sum(losses) * a constant, the
-    recipe's one use. backward checks that (without a host sync)."""
+    """The LM head and cross-entropy, gradients computed in the forward: each chunk's logits are formed once, never
+    kept. The weight's gradient is summed before backward, so every token's loss must weigh the same (checked)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
         # with_grads: the caller's grad mode (forward itself runs without), off for evaluation
         losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if with_grads else None
-        grad_weight = torch.zeros_like(weight) if with_grads else None
+        grad_hidden, grad_weight = (torch.empty_like(hidden), torch.zeros_like(weight)) if with_grads else (None, None)
         for start in range(0, len(targets), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h, y = hidden[rows], targets[rows]
@@ -1236,11 +750,7 @@ class HeadLoss(torch.autograd.Function):
         return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), None, None, None
 
 
-# ------------------------------------------------------------------------------------------------------------
-# 5. Training: one step, the log line, the loop
-# ------------------------------------------------------------------------------------------------------------
-
-
+# ---- Optimizer and schedule --------------------------------------------------------------------------------------
 def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
     """Linear warmup to learning_rate over warmup_steps, then cosine or linear decay to min_lr_ratio."""
     if step < cfg.warmup_steps:
@@ -1253,78 +763,17 @@ def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
 
 
 def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
-    """AdamW with warmup and decay. Weight decay applies to the weight matrices only: not to norms, biases, the
-    Gated DeltaNet's A_log and dt_bias (all vectors), nor to the embeddings."""
+    """AdamW with warmup and decay; no weight decay on vectors (norms, biases, A_log, dt_bias) or the embeddings."""
     trained, embedding = [p for p in model.parameters() if p.requires_grad], model.get_input_embeddings().weight
-    decays = [p.ndim >= 2 and p is not embedding for p in trained]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p, decay in zip(trained, decays) if decay]},
-            {"params": [p for p, decay in zip(trained, decays) if not decay], "weight_decay": 0.0},
-        ],
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
-        fused=d.device.type == "cuda",
-    )
+    decay = [p for p in trained if p.ndim >= 2 and p is not embedding]
+    no_decay = [p for p in trained if p.ndim < 2 or p is embedding]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas, fused = (cfg.adam_beta1, cfg.adam_beta2), d.device.type == "cuda"
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, fused=fused)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def to_device(block: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
-
-
-def rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak; KiB on Linux
-
-
-def alloc_retries() -> int:
-    """How often CUDA's caching allocator has run out, freed its cache and retried, since the start."""
-    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
-
-
-def filler_block(pad_id: int) -> dict:
-    """What a rank whose data has run out feeds the model while other ranks still train: FSDP's collectives
-    need every rank in every forward and backward. It has no loss tokens, so its loss and gradient are 0."""
-    return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
-
-
-def global_counts(blocks: list[dict], d: Dist) -> dict:
-    """Over all ranks: the most blocks any rank has (max_blocks), and the sums of blocks, loss tokens,
-    non-padding tokens and squared segment lengths. One small all-reduce per step: the loss normaliser must
-    be known before the first backward."""
-    keys = ("blocks", "loss_tokens", "tokens", "sum_sq_len")
-    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys[1:])] for b in blocks]
-    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
-    max_blocks = local[:1].clone()
-    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
-    dist.all_reduce(local)
-    return {"max_blocks": int(max_blocks), **{k: int(v) for k, v in zip(keys, local.tolist())}}
-
-
-STOP = threading.Event()  # set by SIGTERM while training
-
-
-def stop_requested(d: Dist) -> bool:
-    """Whether any rank got SIGTERM (it reaches the ranks at different moments): every rank gets the same answer."""
-    stop = torch.tensor(float(STOP.is_set()), device=d.device)
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    return bool(stop)
-
-
-def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
-    """Forward (and backward when scale is given) over n_micro blocks, fillers after this rank's last one.
-    The backward loss is sum(per-token CE) * scale; returns the detached sum of per-token losses."""
-    loss_sum = torch.zeros((), device=d.device)
-    for i in range(n_micro):
-        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
-        losses = model.token_losses(block, cfg.loss_chunk_tokens)
-        if scale is not None:
-            (losses.sum() * scale).backward()
-        loss_sum += losses.detach().sum()
-    return loss_sum
-
-
+# ---- One step, the loop, the entry points ------------------------------------------------------------------------
 @dataclass
 class Progress:
     """This rank's resumable state, saved with every checkpoint: the step, and where each data stream is."""
@@ -1337,8 +786,7 @@ class Progress:
     bad_in_a_row: int = 0
 
     def blocks_of(self, items, num_workers: int):
-        """The blocks among a loader's items, each item recorded as taken when the next block is asked for (a
-        stream's end, which has no block, takes its turn in the DataLoader's order too)."""
+        """The blocks among a loader's items, each item recorded as taken (a stream's end, which has no block, too)."""
         for item in items:
             self.streams[item["position"].slot] = item["position"]
             self.next_slot = (item["position"].slot + 1) % max(1, num_workers)
@@ -1347,22 +795,13 @@ class Progress:
                 yield item
 
     def stream_counts(self) -> Counter:
-        """Conversations read, skipped (by reason) and truncated by this rank's streams so far."""
+        """The counts of this rank's streams so far."""
         return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter())
-
-    @classmethod
-    def from_state(cls, state: dict) -> Progress:  # the inverse of dataclasses.asdict, which a checkpoint stores
-        if "streams" not in state:
-            raise UserError(
-                "the checkpoint was written by an older train.py (its data positions are a dict): "
-                "resume it with that version, or start afresh in another output_dir"
-            )
-        return cls(**{**state, "streams": {s: StreamPosition(**p) for s, p in state["streams"].items()}})
 
 
 @dataclass
 class Job:
-    """What a step, the loop and a checkpoint work on, built once by run()."""
+    """What a step, the loop and the operations work on."""
 
     cfg: Config
     d: Dist
@@ -1372,25 +811,67 @@ class Job:
     total_steps: int
     progress: Progress
     filler: dict  # the block of a rank whose data has run out
+    step_hook: object = None  # f(step, model, loss_sum) -> a replacement loss_sum or None, after each backward
 
 
-def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
-    """One optimizer step over this rank's blocks, fillers once they run out. The loss is the global token
-    mean: every rank's backward uses sum(per-token CE) * world_size / (loss tokens of this step over all
-    ranks) -- FSDP averages gradients over ranks, so the world_size cancels and each loss token weighs the same
-    wherever it sits. A NaN or inf anywhere reaches every rank's global gradient norm, so every rank skips the
-    same steps. Returns the step's global counts, with its loss sum and gradient norm when it stepped; with
-    max_blocks 0 (every rank's data has run out) or loss_tokens 0 (nothing to learn) it did not step."""
-    from torch.distributed.tensor import DTensor
+@dataclass
+class StepStats:
+    """A step's counts over all ranks, and its results."""
 
+    max_blocks: int  # the most blocks a rank had: 0 when every rank's data has run out
+    blocks: int
+    loss_tokens: int
+    tokens: int  # not padding
+    sum_sq_len: int  # squared segment lengths, for the attention FLOPs
+    data_wait_s: float = 0.0  # this rank's wait for its blocks
+    loss_sum: torch.Tensor | None = None  # None: not finite, so the optimizer step was skipped
+    grad_norm: torch.Tensor | None = None
+    lr: float = 0.0
+
+
+def global_counts(blocks: list[dict], d: Dist) -> StepStats:
+    """The step's counts over all ranks: the loss normaliser must be known before the first backward."""
+    keys = ("loss_tokens", "tokens", "sum_sq_len")
+    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys)] for b in blocks]
+    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
+    max_blocks = local[:1].clone()
+    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
+    dist.all_reduce(local)
+    return StepStats(int(max_blocks), *(int(v) for v in local.tolist()))
+
+
+def to_device(block: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in block.items()}
+
+
+def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
+    """Forward (and backward of sum(CE) * scale) over n_micro blocks, fillers last: the detached loss sum."""
+    loss_sum = torch.zeros((), device=d.device)
+    for i in range(n_micro):
+        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
+        losses = model.token_losses(block, cfg.loss_chunk_tokens)
+        if scale is not None:
+            (losses.sum() * scale).backward()
+        loss_sum += losses.detach().sum()
+    return loss_sum
+
+
+def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepStats:
+    """One optimizer step over this rank's blocks, fillers once they run out; none once every rank's have.
+
+    The loss is the global token mean: each rank's backward uses sum(per-token CE) * world_size / (the step's loss
+    tokens over all ranks), and FSDP's average over ranks cancels world_size. A NaN or inf anywhere reaches every rank's
+    gradient norm: all skip the same steps."""
     cfg, d, progress, optimizer = job.cfg, job.d, job.progress, job.optimizer
-    counts = global_counts(blocks, d)
-    if counts["max_blocks"] == 0 or counts["loss_tokens"] == 0:
-        return counts
-    scale = d.world_size / counts["loss_tokens"]
-    loss_sum = run_blocks(job.model, blocks, counts["max_blocks"], job.filler, cfg, d, scale)
-    if step_hook:  # it may return a replacement loss sum (fault injection), or None
-        replaced = step_hook(progress.step + 1, job.model, loss_sum)
+    stats = global_counts(blocks, d)
+    stats.data_wait_s = data_wait_s
+    if stats.max_blocks == 0:
+        return stats
+    assert stats.loss_tokens > 0, "every block has loss tokens (tokenize_stream keeps only samples that do)"
+    scale = d.world_size / stats.loss_tokens
+    loss_sum = run_blocks(job.model, blocks, stats.max_blocks, job.filler, cfg, d, scale)
+    if job.step_hook:
+        replaced = job.step_hook(progress.step + 1, job.model, loss_sum)
         loss_sum = loss_sum if replaced is None else replaced
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -1402,47 +883,769 @@ def train_step(job: Job, blocks: list[dict], step_hook=None) -> dict:
     else:
         progress.bad_steps += 1
         progress.bad_in_a_row += 1
-        step, row = progress.step + 1, f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
-        print0(d.rank, f"step {step}: non-finite loss or gradient norm, optimizer step skipped ({row})")
-    lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
+        row = f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
+        print0(d.rank, f"step {progress.step + 1}: non-finite loss or gradient norm, optimizer step skipped ({row})")
+    stats.lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
     job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     progress.step += 1
-    return {**counts, "loss_sum": loss_sum if finite else None, "grad_norm": grad_norm, "lr": lr}
+    stats.loss_sum, stats.grad_norm = (loss_sum if finite else None), grad_norm
+    return stats
 
 
-# The share of a GPU's memory that activation_checkpointing: auto leaves unplanned: fragmentation, and peaks its
-# baseline step does not show (NCCL's buffers grow with use, an eval's batch).
+class Operation:
+    """An operation the loop drives; each decides its own cadence. This one does nothing: it stands in for one off."""
+
+    last_loss = None  # the log's and the evaluator's last loss
+
+    def after_step(self, job: Job, stats: StepStats) -> None: ...
+
+    def at_end(self, job: Job, why: str) -> None: ...
+
+
+def training_loop(job: Job, blocks, operations: list[Operation]) -> str:
+    """Steps until total_steps; returns why it stopped: done, exhausted, SIGTERM (any rank) or diverged."""
+    cfg, progress = job.cfg, job.progress
+    data = progress.blocks_of(blocks, cfg.num_workers)
+    job.model.train()
+    while progress.step < job.total_steps:
+        if sigterm_on_any_rank(job.d):  # before the step takes its blocks: a checkpoint resumes there
+            return "SIGTERM"
+        waiting = time.perf_counter()
+        step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
+        stats = train_step(job, step_blocks, data_wait_s=time.perf_counter() - waiting)
+        if stats.max_blocks == 0:
+            return "exhausted"
+        if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
+            return "diverged"
+        for operation in operations:
+            operation.after_step(job, stats)
+    return "done"
+
+
+def run(cfg: Config, d: Dist, step_hook=None) -> dict:
+    """The job on this rank: checks, resume point, step count, model, the loop and its end, the export."""
+    torch.manual_seed(cfg.seed)
+    print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
+    attn, config, tokenizer = on_every_rank(partial(startup_checks, cfg, d), d)
+    resume_from = resume_point(cfg, d)  # the newest intact checkpoint in output_dir, or None
+    meta = checkpoint_meta(resume_from) if resume_from else None
+    progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
+    if d.rank == 0:  # the settings of this run, once they are known to be usable
+        (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    total_steps, packing = step_count(cfg, tokenizer, d, meta)
+    # The data stream starts now: its worker packs the first buffer while the weights load.
+    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
+    source = on_every_rank(partial(pretrained_dir, cfg), d)
+    t0 = time.perf_counter()
+    model = build_model(config, cfg, attn, d.device)
+    # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
+    computed = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
+    source_dtypes = checkpoint_dtypes(source) if cfg.init == "pretrained" else computed
+    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
+    if meta:
+        resume_weights(resume_from, meta, model, optimizer, scheduler, d)
+    elif cfg.init == "pretrained":
+        load_pretrained(model, source, source_dtypes)
+    else:
+        init_random(model, cfg.seed)
+    print0(d.rank, describe_model(model, config, cfg, d, attn, total_steps, time.perf_counter() - t0))
+    filler = filler_block(pad_token_id(tokenizer))
+    job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
+    with MetricsLog(cfg, d, model, packing) as log:
+        has_eval = cfg.eval_split or cfg.eval_fraction
+        evaluator = Evaluator(cfg, tokenizer, d, filler, log) if has_eval else Operation()
+        with stop_on_sigterm():
+            checkpoints = Checkpointer(job, log)
+            probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
+            operations = [log, checkpoints, evaluator, probe]
+            finish_training(job, training_loop(job, blocks, operations), operations)
+        log.summary(job)
+        export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
+    result = {"steps": progress.step, "final_loss": log.last_loss, "eval_loss": evaluator.last_loss}
+    return {**result, "output_dir": cfg.output_dir, "model_dir": str(export) if export else None}
+
+
+def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
+    """The whole job in this rank's process, from main() or a notebook's @distributed function. config: a Config, a dict
+    or a YAML path; step_hook(step, model, loss_sum) runs after each backward and may replace the loss sum."""
+    if isinstance(config, (str, Path)):
+        config = load_config(yaml_source(config, "train()"))
+    elif not isinstance(config, Config):
+        config = load_config(("train()", config or {}))
+    d = setup_distributed()
+    try:
+        with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
+            return run(config, d, step_hook)
+    finally:
+        if d.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        train(parse_args(sys.argv[1:] if argv is None else argv)[0])
+    except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
+        print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
+        sys.exit(2 if isinstance(e, UserError) else 128 + signal.SIGTERM)
+
+
+# ==== PART II: OPERATIONS =========================================================================================
+# A reader of the recipe may stop here: what follows parses, checks, counts, saves, probes, logs, guards and exports.
+# ---- Parsing and the resume policy -------------------------------------------------------------------------------
+
+# Each setting's allowed values or lower bound (check_settings has the rest).
+CHOICES = dict(init=("pretrained", "random"), reasoning=("train", "drop"), lr_schedule=("cosine", "linear", "constant"))
+CHOICES |= dict(attn_implementation=("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager"))
+CHOICES |= dict.fromkeys(("master_dtype", "param_dtype", "reduce_dtype"), ("bfloat16", "float32"))
+LOWEST = dict(max_seq_len=16, save_every=-1, num_workers=0, weight_decay=0, max_steps=0, warmup_steps=0, eval_every=0)
+LOWEST |= dict(save_every_minutes=0, eval_blocks=1, pack_buffer_blocks=1, max_bad_steps=1, epochs=1, log_every=1)
+LOWEST |= dict(gradient_accumulation_steps=1, loss_chunk_tokens=1, keep_checkpoints=1)
+
+
+def typed(field: dataclasses.Field, value, source: str):
+    """value as the field's type (YAML reads 1e-5 as a string, 0.75 as a float), or an error naming key and source."""
+    want = type(field.default)
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
+    if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if type(value) is not want:
+        raise UserError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
+    return value
+
+
+def check_settings(cfg: Config) -> None:
+    """Each value in its range (CHOICES, LOWEST and the rest here), and eval data apart from the training data."""
+    for key, value in dataclasses.asdict(cfg).items():
+        need = None
+        if key in CHOICES and value not in CHOICES[key]:
+            need = f"one of {', '.join(CHOICES[key])}"
+        elif key in LOWEST and not value >= LOWEST[key]:  # `not >=`: NaN fails too
+            need = f">= {LOWEST[key]}"
+        elif key in ("eval_fraction", "max_skip_fraction", "min_lr_ratio") and not 0 <= value <= 1:
+            need = "in [0, 1]"
+        elif key in ("adam_beta1", "adam_beta2") and not 0 <= value < 1:
+            need = "in [0, 1)"
+        elif key == "learning_rate" and not 0 < value < math.inf:
+            need = "> 0 and finite"
+        elif key == "max_grad_norm" and not value > 0:
+            need = "> 0"
+        elif key == "activation_checkpointing" and value != "auto":
+            try:
+                need = None if 0 <= float(value) <= 1 else "auto, or a share in [0, 1]"
+            except ValueError:
+                need = "auto, or a share in [0, 1]"
+        if need:
+            raise UserError(f"bad configuration: {key} must be {need}, got {value!r}")
+    if cfg.eval_split and cfg.eval_fraction:
+        raise UserError("bad configuration: set eval_split or eval_fraction, not both")
+    # A local file has no splits: any split name of it reads the whole file.
+    eval_file, data_file = Path(cfg.eval_split).suffix, Path(cfg.dataset_name).suffix
+    same_file = eval_file and Path(cfg.eval_split).resolve() == Path(cfg.dataset_name).resolve()
+    if cfg.eval_split and ((data_file and not eval_file) or cfg.eval_split == cfg.dataset_split or same_file):
+        raise UserError(
+            f"bad configuration: eval_split {cfg.eval_split!r} is the training data: give a held-out "
+            "file or split, or set eval_fraction to hold out a share of the records"
+        )
+
+
+def load_config(*sources: tuple[str, dict]) -> Config:
+    """Config from defaults and each (source, overrides), later wins; unknown keys and wrong types are named."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for source, overrides in sources:
+        for key, value in overrides.items():
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(fields)}"
+                raise UserError(f"unknown configuration key {key!r} (from {source}); {hint}")
+            values[key] = typed(fields[key], value, source)
+    return Config(**values)
+
+
+def yaml_source(path: str | Path, name: str) -> tuple[str, dict]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise UserError(f"{name} {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise UserError(f"{name} {path} is not valid YAML: {' '.join(str(e).split())}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{name} {path} must hold a mapping of configuration keys, got {type(data).__name__}")
+    return f"{name} {path}", data
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[Config, argparse.Namespace]:
+    """Config from defaults <- $HYPERPARAMETERS_PATH <- --config FILE <- --key value; help from the fields."""
+    usage = "train.py [--config FILE] [--KEY VALUE ...]"
+    parser = parser or argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (after $HYPERPARAMETERS_PATH's)")
+    group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
+    for f in dataclasses.fields(Config):
+        resume = "; may change on resume" if f.metadata["resumable"] else ""
+        doc = f"{f.metadata['doc']} (default: {f.default!r}{resume})".replace("%", "%%")
+        parse = str if isinstance(f.default, str) else yaml.safe_load
+        kind = type(f.default).__name__.upper()
+        group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if unknown[0].startswith("--"):  # an unknown key: load_config raises, naming the nearest valid one
+            load_config(("command line", {unknown[0][2:].partition("=")[0]: None}))
+        raise UserError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
+    params = os.environ.get("HYPERPARAMETERS_PATH")  # a Databricks workload's parameters: block
+    sources = [yaml_source(params, "HYPERPARAMETERS_PATH")] if params else []
+    sources += [yaml_source(args.config, "--config")] if args.config else []
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)}
+    return load_config(*sources, ("command line", flags)), args
+
+
+def fixed_on_resume(saved: dict, cfg: Config) -> dict:
+    """{key: (old, new)} that cfg changes but may not; a key an older checkpoint lacks counts as its default."""
+    fields, new = {f.name: f for f in dataclasses.fields(cfg)}, dataclasses.asdict(cfg)
+    old = {k: saved.get(k, f.default) for k, f in fields.items()}
+    return {k: (old[k], new[k]) for k, f in fields.items() if not f.metadata["resumable"] and old[k] != new[k]}
+
+
+# ---- Startup checks: everything that can fail without the weights fails first, on every rank alike ---------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_with_launcher() -> None:
+    """torchrun's workers have sessions of their own: killed alone, it would leave them training."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(1)
+        print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def on_every_rank(check, d: Dist):
+    """check() on every rank; a UserError on any rank is raised on all, naming it: no rank waits in a collective."""
+    try:
+        result, error = check(), None
+    except UserError as e:
+        result, error = None, f"{e} (rank {d.rank})" if d.world_size > 1 else str(e)
+    errors = [None] * d.world_size
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)
+    return result
+
+
+def decided_by_rank_0(decide, failure: str, d: Dist):
+    """decide() on rank 0, for all: ranks must not branch on their own views of a file system."""
+    outcome = [None, None]  # (result, error)
+    if d.rank == 0:
+        try:
+            outcome[0] = decide()
+        except UserError as e:
+            outcome[1] = str(e)
+        except (OSError, ValueError) as e:
+            outcome[1] = f"{failure}: {e}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        raise UserError(outcome[1])
+    return outcome[0]
+
+
+def check_output_dir(cfg: Config, d: Dist) -> Path:
+    """Every rank writes its shards to output_dir: check that each can, before anything loads."""
+    out, probe = Path(cfg.output_dir), Path(cfg.output_dir) / f".write-test-rank{d.rank}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
+            "to a directory (or Unity Catalog volume path) this job can write"
+        ) from e
+    return out
+
+
+def startup_checks(cfg: Config, d: Dist):
+    """What can fail without the weights fails first: (attention, model config, tokenizer)."""
+    attn = resolve_attention(cfg.attn_implementation, d.device)
+    config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
+    require_kernels(config)
+    check_model_settings(config, cfg, d.device)
+    tokenizer = load_tokenizer(cfg)
+    for part in ["train"] + (["eval"] if cfg.eval_split else []):
+        check_data(cfg, part)
+    return attn, config, tokenizer
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """auto: flash-attn if installed, else on CUDA torch_varlen, else sdpa (its mask from position_ids)."""
+    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
+    if requested == "flash_attention_2" and not has_flash_attn:
+        raise UserError(
+            "attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
+            "--no-build-isolation, or use torch_varlen (CUDA) / sdpa"
+        )
+    if requested == "torch_varlen":
+        if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            raise UserError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
+        transformers.AttentionInterface.register("torch_varlen", torch_varlen_attention)
+    return requested
+
+
+def require_kernels(config) -> None:
+    """Hybrids need the kernels: without, transformers refuses packed signals or leaks state across them."""
+    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
+        return
+    needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+    missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise UserError(
+            f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
+            "pip install flash-linear-attention, and build causal-conv1d against your torch "
+            "(workload.yaml's setup does both: README, 'Run it on GPUs')"
+        )
+    if fla_refuses_hopper_backward():
+        raise UserError(
+            "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4, "
+            "< 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead: "
+            "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
+        )
+
+
+def fla_refuses_hopper_backward() -> bool:
+    """fla's guard (raised at the first backward): Hopper, Triton in [3.4, 3.7.1), no TileLang backend."""
+    import fla.ops.common.chunk_o as guard
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
+    return guarded and not CommonTileLangBackend.can_use()
+
+
+def check_model_settings(config, cfg: Config, device: torch.device) -> None:
+    """The block length within the model's positions; float8's GPU and package."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and cfg.max_seq_len > limit:
+        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+    if cfg.float8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
+    if cfg.float8 and importlib.util.find_spec("torchao") is None:
+        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
+
+
+def check_data(cfg: Config, part: str) -> None:
+    """A dataset that is missing, unreadable, empty or without the conversation column stops the run first."""
+    source, split = data_source(cfg, part)
+    if Path(source).suffix and not Path(source).is_file():
+        raise UserError(f"data file {source} does not exist")
+    counts = Counter()
+    try:  # datasets raises ValueError for a split or configuration the dataset lacks, OSError for what it cannot reach
+        records = read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts)
+        first = [r for _, r in itertools.islice(records, 64)]
+    except (ValueError, OSError) as e:
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"cannot read dataset {source} [{split}]: {first_line}") from e
+    if not first:
+        problem = "has no readable line: is it JSON lines?" if counts else "is empty"
+        raise UserError(f"dataset {source} [{split}] {problem}")
+    if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
+        columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
+        raise UserError(
+            f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; "
+            f"its columns are {columns}: set messages_column to the one holding the conversations"
+        )
+
+
+def from_hub(load, name: str):
+    """Runs a hub load; a gated or private repo without a token becomes an error that says what to do."""
+    try:
+        return load()
+    except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
+        cause = e if isinstance(e, (GatedRepoError, RepositoryNotFoundError)) else e.__cause__
+        if isinstance(cause, (GatedRepoError, RepositoryNotFoundError)) and not os.environ.get("HF_TOKEN"):
+            raise UserError(
+                f"{name} is gated or private and HF_TOKEN is not set: accept its license on the hub, "
+                "then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
+            ) from e
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"cannot load {name}: {first_line} (a local directory, or the hub name and network?)") from e
+
+
+def pretrained_dir(cfg: Config) -> Path:
+    """model_name, or its hub snapshot (one download per node, by the hub's file locks); safetensors only."""
+    path = Path(cfg.model_name)
+    if not path.is_dir():
+        patterns = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
+        revision = cfg.model_revision or None
+        download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
+        path = Path(from_hub(download, cfg.model_name))
+    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
+        raise UserError(
+            f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
+            "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
+        )
+    return path
+
+
+def checkpoint_dtypes(path: Path) -> dict:
+    """{tensor name: dtype} of a Hugging Face safetensors checkpoint, from its headers."""
+    metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
+    return {name: meta.properties.dtype for name, meta in metadata.items()}
+
+
+def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: int, seconds: float) -> str:
+    """The log's lines on the model and the numbers derived from the settings."""
+    layers = model.get_decoder().layers
+    recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
+    recomputed += " until activation_checkpointing auto decides" if recompute_is_measured(cfg, d.device) else ""
+    return (
+        f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
+        f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
+        f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s, "
+        f"peak host memory {rss_gib():.1f} GiB on rank 0\n"
+        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
+        f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
+        f"transformers {transformers.__version__}"
+    )
+
+
+# ---- The counting pass -------------------------------------------------------------------------------------------
+
+COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
+
+
+def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
+    """The counting pass: this rank's shard packed once, no model: the exact step count, and bad data early."""
+    t0 = shown = time.monotonic()
+    seen, tokens, loss_tokens = Progress(), 0, 0
+    loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
+    for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
+        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
+        if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
+            shown = time.monotonic()
+            where = block["position"].record
+            print0(d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {where:,} records in")
+    totals = [None] * d.world_size
+    dist.all_gather_object(totals, (seen.blocks, tokens, loss_tokens, seen.stream_counts()))
+    blocks_per_rank = [t[0] for t in totals]
+    counts = sum((Counter(t[3]) for t in totals), Counter())
+    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
+    skipped = skip_reasons(counts)
+    stats = {
+        "blocks": sum(blocks_per_rank),
+        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
+        "conversations": counts["conversations"],
+        "non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4),
+        "loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4),
+        "extra_samples_for_reasoning": counts[EXTRA_SAMPLES],
+        "truncated": counts["truncated"],
+        "skipped": sum(skipped.values()),
+        "skipped_by_reason": skipped,
+    }
+    print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.monotonic() - t0:.0f}s)")
+    if max(blocks_per_rank) == 0:
+        raise UserError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
+    check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], skipped, cfg)
+    return max(blocks_per_rank), stats
+
+
+def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
+    if records and skipped / records > cfg.max_skip_fraction:
+        raise UserError(
+            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
+            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
+        )
+
+
+# ---- Checkpoints and resume --------------------------------------------------------------------------------------
+def complete_checkpoints(cfg: Config) -> list[Path]:
+    """The checkpoints every rank finished, oldest first: rank 0 writes complete.json last, after a barrier."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if (p / "complete.json").exists())
+
+
+def newest_checkpoint(cfg: Config) -> str:
+    """The newest complete checkpoint, for a message."""
+    never = "none (save_every: -1)" if cfg.save_every < 0 else "none"
+    return str((complete_checkpoints(cfg) or [never])[-1])
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """A complete checkpoint's complete.json."""
+    return json.loads((path / "complete.json").read_text())
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint, by its complete.json's sizes and hashes, or None."""
+    try:
+        meta = checkpoint_meta(path)
+        for name, size in meta["files"].items():
+            if (path / name).stat().st_size != size:
+                return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
+        for name, digest in meta["sha256"].items():
+            if sha256(path / name) != digest:
+                return f"{name} differs from what was written"
+    except (FileNotFoundError, KeyError, ValueError, AttributeError, TypeError) as e:  # a missing file, a broken json
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def resume_point(cfg: Config, d: Dist) -> Path | None:
+    """The newest complete checkpoint without a problem; one with a problem is set aside. Rank 0 decides."""
+
+    def newest_intact() -> Path | None:
+        candidates = complete_checkpoints(cfg)
+        for path in reversed(candidates):
+            problem = checkpoint_problem(path)
+            if not problem:
+                return path
+            aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.rename(aside)
+            print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
+        if candidates:
+            raise UserError(f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again")
+        return None
+
+    return decided_by_rank_0(newest_intact, f"cannot read the checkpoints in {cfg.output_dir}", d)
+
+
+def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
+    """This rank's Progress and RNG states, once cfg may resume the checkpoint; needs no model."""
+    if meta["world_size"] != d.world_size:
+        ranks = meta["world_size"]
+        raise UserError(f"{path} was written by {ranks} ranks; resume with as many, or use another output_dir")
+    fixed = fixed_on_resume(meta["config"], cfg)
+    if fixed:
+        changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
+        raise UserError(
+            f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the "
+            "batch and the optimizer of its checkpoint. Restore them, or use another output_dir"
+        )
+    changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
+    if changed:
+        print0(d.rank, f"resuming with configuration changes: {changed}")
+    saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
+    torch.set_rng_state(saved["rng"]["torch"])
+    random.setstate(saved["rng"]["python"])
+    if "cuda" in saved["rng"]:
+        torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
+    state = saved["progress"]  # dataclasses.asdict of a Progress
+    return Progress(**{**state, "streams": {s: StreamPosition(**p) for s, p in state["streams"].items()}})
+
+
+def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist) -> None:
+    """Loads the checkpoint's model, optimizer and scheduler states."""
+    t0 = time.perf_counter()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    scheduler.load_state_dict(meta["scheduler"])
+    step, seconds = f"step {meta['step']} of {meta['total_steps']}", time.perf_counter() - t0
+    print0(d.rank, f"resumed from {path} ({step}) in {seconds:.1f}s")
+
+
+def walk_tensors(value, fn, key: tuple = ()):
+    """A copy of a nested state with each tensor replaced by fn(its key path, the tensor)."""
+    if isinstance(value, dict):
+        return {k: walk_tensors(v, fn, (*key, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk_tensors(v, fn, (*key, i)) for i, v in enumerate(value)]
+    if isinstance(value, torch.Tensor):
+        return fn(key, value)
+    return value
+
+
+class Checkpointer(Operation, AsyncStager):
+    """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once rank 0 writes complete.json
+    after every rank's write. Every save_every steps, save_every_minutes and at the end; async_save writes a host
+    copy in a thread over a gloo group (this is its stager). The log's open window is written first."""
+
+    _synchronize_after_execute = False  # as DCP's stager: stage() returns the copy complete
+
+    def __init__(self, job: Job, log: MetricsLog | None = None):
+        self.job, self.log, self.pending, self.buffers, self.preparing = job, log, None, {}, None
+        self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
+        if job.cfg.async_save and job.cfg.save_every >= 0:
+            self.group = dist.new_group(backend="gloo")
+            # The host memory of the staged copy (weights, and AdamW's two moments of the trained ones).
+            ranks, gib = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size)), 2**30
+            rank = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters()) / gib
+            node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / gib
+            warn = " -- over 80% of it: expect swapping, or set async_save: false" if ranks * rank > 0.8 * node else ""
+            line = f"async_save: {rank:.1f} GiB of host memory per rank for the staged checkpoint, {ranks * rank:.1f}"
+            print0(job.d.rank, f"{line} GiB on this node of {node:.0f} GiB{warn}")
+
+    def after_step(self, job: Job, stats: StepStats) -> None:
+        """Completes a finished write, prepares the staging buffers, saves when due."""
+        if self.pending and self.pending[0]:
+            running = torch.tensor(int(not self.pending[0].done()), device=job.d.device)
+            dist.all_reduce(running)
+            if not running:
+                self.finish()
+        self.prepare()
+        if self.due(job.progress.step) and job.progress.step < job.total_steps:
+            self.save()
+
+    def at_end(self, job: Job, why: str) -> None:
+        """The final save (not of a run that diverged), and the end of the last write."""
+        if why != "diverged" and job.cfg.save_every >= 0 and job.progress.step != self.saved_step:
+            self.save()
+        self.finish()
+
+    def due(self, step: int) -> bool:
+        """Every save_every steps, or save_every_minutes after the last save (rank 0's clock decides)."""
+        cfg, d = self.job.cfg, self.job.d
+        if cfg.save_every > 0 and step % cfg.save_every == 0:
+            return True
+        if not cfg.save_every_minutes or cfg.save_every < 0:
+            return False
+        late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=d.device)
+        dist.broadcast(late, src=0)
+        return bool(late)
+
+    def state(self) -> dict:
+        model_state, optimizer_state = get_state_dict(self.job.model, self.job.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self) -> None:
+        if self.log:
+            self.log.end_window(self.job)
+        self.finish()  # the write in flight, if any
+        job, d, progress = self.job, self.job.d, self.job.progress
+        t0, path = time.perf_counter(), Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
+        if d.rank == 0 and path.exists():
+            shutil.rmtree(path)  # an earlier, interrupted save of this step
+        dist.barrier()
+        path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
+        state, future = self.state(), None
+        if job.cfg.async_save:  # the copy (self.stage) is taken before the next step changes the weights
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=self)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng |= {"cuda": torch.cuda.get_rng_state(d.device)} if d.device.type == "cuda" else {}
+        torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
+        meta = {"step": progress.step, "total_steps": job.total_steps, "world_size": d.world_size}
+        meta |= {"scheduler": job.scheduler.state_dict(), "config": dataclasses.asdict(job.cfg)}
+        self.pending, self.last = (future, path, meta, t0, time.perf_counter() - t0), time.monotonic()
+        self.saved_step = progress.step
+        if not future:
+            self.finish()
+
+    def prepare(self) -> None:
+        """Once AdamW's state exists, a thread allocates and pins the staging buffers."""
+        cfg, optimizer = self.job.cfg, self.job.optimizer
+        if self.preparing or self.buffers or not optimizer.state or not cfg.async_save or cfg.save_every < 0:
+            return
+        layout = []  # each rank-local tensor, whose shape and dtype the thread reads
+        walk_tensors(self.state(), lambda key, v: layout.append((key, v.to_local() if isinstance(v, DTensor) else v)))
+        self.preparing = threading.Thread(target=lambda: [self.buffer(key, like) for key, like in layout], daemon=True)
+        self.preparing.start()
+
+    def buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A tensor's host buffer, pinned in place on GPUs (PyTorch's pinned allocator rounds up to a power of 2)."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype)
+            if self.job.d.device.type == "cuda" and buffer.nbytes:
+                cudart = torch.cuda.cudart()
+                cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+            self.buffers[key] = buffer
+        return buffer
+
+    @torch.no_grad()
+    def stage(self, state: dict) -> dict:
+        """The state copied into its host buffers, DTensors over a CPU mesh (docs/CHECKPOINTS.md: why not DCP's)."""
+        if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them
+            self.preparing.join()
+            self.preparing = None
+        pinned = self.job.d.device.type == "cuda"
+        self.mesh = getattr(self, "mesh", None) or DeviceMesh.from_group(self.group, "cpu")
+
+        def host(key, value):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            buffer = self.buffer(key, local).copy_(local, non_blocking=pinned)
+            if not isinstance(value, DTensor):
+                return buffer
+            shape, stride = value.shape, value.stride()
+            return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
+
+        staged = walk_tensors(state, host)
+        if pinned:
+            torch.cuda.synchronize()
+        return staged
+
+    def finish(self) -> None:
+        """Waits for the write in flight; rank 0 then writes complete.json and removes what is not kept."""
+        if not self.pending:
+            return
+        (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
+        if future:
+            future.result()  # raises what the write raised
+        dist.barrier()  # every rank has written its part
+        self.pending = None
+        if self.job.d.rank == 0:
+            files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
+            # What a resume verifies cheaply: every file's size, and the hash of each small one (.metadata, ranks').
+            small = {name: sha256(path / name) for name, size in files.items() if size < 2**26}
+            meta.update(files=files, sha256=small, bytes=sum(files.values()), seconds=time.perf_counter() - t0)
+            (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
+            os.replace(path / "complete.json.tmp", path / "complete.json")
+            complete = complete_checkpoints(cfg)
+            unfinished = [p for p in path.parent.glob("step_*") if p not in complete and p.name < path.name]
+            for old in complete[: -cfg.keep_checkpoints] + unfinished:
+                shutil.rmtree(old)
+            line = f"checkpoint step {meta['step']}: {meta['bytes'] / 2**30:.2f} GiB in {meta['seconds']:.1f}s"
+            print(f"{line} (training stalled {stall:.1f}s) -> {path}", flush=True)
+
+
+# ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
+
+# The share of a GPU's memory auto leaves unplanned: fragmentation, and peaks step 2 does not show (NCCL's buffers).
 AUTO_RECOMPUTE_MARGIN = 0.1
 # Steps in a row without an allocator retry that end auto's watch (RecomputeProbe.watch).
 AUTO_RECOMPUTE_WATCH_STEPS = 10
 
 
 def recompute_is_measured(cfg, device: torch.device) -> bool:
-    """activation_checkpointing: auto on a GPU: the first steps measure and decide (RecomputeProbe)."""
+    """activation_checkpointing auto on a GPU: measured (RecomputeProbe)."""
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
-class RecomputeProbe:
-    """activation_checkpointing: auto, on GPUs. The first step runs with every layer recomputed while each layer's
-    checkpointed forward is measured, in forward and again when backward recomputes it: the memory the
-    recomputation leaves allocated (what the forward saves for backward; its output, which the next layer's input
-    already holds, is not counted) and the time it takes. The second step still recomputes every layer, as any
-    later step would (the first also compiles and autotunes): its peak, AdamW's state included, is the baseline.
-    After it the ranks agree on the memory left: the device's (or the process's cap), less AUTO_RECOMPUTE_MARGIN
-    of it and what other processes hold, less that peak; the smallest over the ranks. Then they keep the layers
-    that save the most time per byte until it is spent, and watch the next steps for allocator retries (watch)."""
+class RecomputeProbe(Operation):
+    """activation_checkpointing auto (README, "Model"): step 1 measures each recomputed layer's saved memory and time,
+    step 2's peak is the baseline; then the layers saving the most time per byte are kept while memory lasts."""
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
-        self.kept, self.retries, self.clean_steps, self.reset_peak = None, 0, 0, False
-        # transformers checkpoints a layer's forward (not its __call__: FSDP's hooks stay outside) through the
-        # layer's _gradient_checkpointing_func; measuring inside it measures the recomputation too. FSDP has
-        # all-gathered the layer's parameters before it runs and frees them after: neither is counted.
+        self.kept, self.retries, self.clean_steps, self.watching = None, 0, 0, True
+        # transformers checkpoints a layer's forward (FSDP's hooks outside) through _gradient_checkpointing_func:
+        # measured inside it, the recomputation is measured too, and FSDP's all-gathered parameters are not.
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
+        # The measured step runs without early stop, which ends a recomputation before the layer's forward returns.
+        self.measuring = contextlib.ExitStack()
+        self.measuring.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
 
     def checkpoint(self, i: int, checkpoint_func, forward, *args):
         def measured(*args):
@@ -1459,33 +1662,27 @@ class RecomputeProbe:
 
         return checkpoint_func(measured, *args)
 
-    def measuring(self):
-        """The context of a step. In the measured one PyTorch's early stop is off: it would end a recomputation
-        once it has the tensors backward needs, before the layer's forward returns; here it runs to the end."""
-        if self.reset_peak:  # the baseline's peak starts here, after the measured step's log line read its own
-            torch.cuda.reset_peak_memory_stats()
-            self.reset_peak = False
+    def after_step(self, job: Job, stats: StepStats) -> None:
+        """Step 1 measures, step 2 decides, then it watches; only steps that stepped the optimizer count."""
+        if stats.loss_sum is None or not self.watching:
+            return
         if self.seconds is None:
-            return torch.utils.checkpoint.set_checkpoint_early_stop(False)
-        return contextlib.nullcontext()
-
-    def after_step(self, stepped: bool) -> bool:
-        """Step 1 measures, step 2 decides, then it watches; True when done. Only steps that stepped the optimizer
-        count (every rank agrees on which): one with nothing to learn runs no layer, and one skipped as non-finite
-        may leave AdamW's state, which the baseline must hold, still to be created."""
-        if not stepped:
-            return False
-        if self.seconds is None:
-            torch.cuda.synchronize()
-            for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
-                layer._gradient_checkpointing_func = checkpoint_func
-            self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
-            self.reset_peak = True
-            return False
-        if self.kept is None:
+            self.measured()
+        elif self.kept is None:
             self.decide()
-            return False
-        return self.watch()
+        else:
+            self.watching = not self.watch()
+
+    def at_end(self, job: Job, why: str) -> None:
+        self.measuring.close()
+
+    def measured(self) -> None:
+        torch.cuda.synchronize()
+        for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
+            layer._gradient_checkpointing_func = checkpoint_func
+        self.measuring.close()
+        self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+        torch.cuda.reset_peak_memory_stats()  # the baseline's peak starts here, after step 1's log line read its own
 
     def decide(self) -> None:
         d, gib = self.job.d, 2**30
@@ -1503,19 +1700,14 @@ class RecomputeProbe:
         for i in self.kept:
             self.layers[i].gradient_checkpointing = False
         self.retries = alloc_retries()
+        kept = sum(sizes[i] for i in self.kept)
         each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
-        print0(
-            d.rank,
-            f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers "
-            f"{sorted(self.kept)} ({sum(sizes[i] for i in self.kept) / gib:.1f} GiB; measured {each}), recomputing "
-            f"the rest; expected peak {(peak + sum(sizes[i] for i in self.kept)) / gib:.1f} GiB of {limit / gib:.1f}",
-        )
+        line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
+        line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
+        print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {limit / gib:.1f}")
 
     def watch(self) -> bool:
-        """After a step in which CUDA's caching allocator ran out on any rank (it then frees its cache and retries
-        the allocation, a stall: docs/BENCHMARKS.md, fourth round), the kept layer that saves the least time per
-        byte is recomputed again. Done after AUTO_RECOMPUTE_WATCH_STEPS steps in a row without. Retries between
-        steps (a log line, an eval, a save) count toward the next step."""
+        """After a step with allocator retries, the kept layer that saves the least per byte is recomputed."""
         retries = alloc_retries()
         new = torch.tensor(retries - self.retries, device=self.job.d.device)
         dist.all_reduce(new, op=dist.ReduceOp.MAX)
@@ -1524,10 +1716,9 @@ class RecomputeProbe:
             layer = self.kept.pop()
             self.layers[layer].gradient_checkpointing = True
             self.clean_steps = 0
+            line = f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations:"
             print0(
-                self.job.d.rank,
-                f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations: "
-                f"recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}",
+                self.job.d.rank, f"{line} recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
             )
         return self.clean_steps >= AUTO_RECOMPUTE_WATCH_STEPS
 
@@ -1542,6 +1733,13 @@ def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> lis
     return kept
 
 
+def alloc_retries() -> int:
+    """CUDA's caching-allocator retries since the start (each a stall)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+# ---- Metrics and MLflow ------------------------------------------------------------------------------------------
+
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
@@ -1553,28 +1751,22 @@ def matmul_params(model) -> int:
 
 
 def attention_flops_per_sq_token(model) -> int:
-    """Training FLOPs per (segment length)^2 of the full-attention layers: causal QK^T and PV are
-    2 * L^2 * heads * head_dim each over half the square, forward + backward = 3x forward: 6 * heads * dim.
-    Gated DeltaNet's state updates (4 * d_k * d_v per head and token) are left out: under 0.5% at 27B."""
+    """Training FLOPs per squared segment length of the attention layers (Gated DeltaNet's < 0.5%: left out)."""
     text = model.config.get_text_config()
-    full = sum(
-        t != "linear_attention" for t in (getattr(text, "layer_types", None) or ["full"] * text.num_hidden_layers)
-    )
+    kinds = getattr(text, "layer_types", None) or ["full"] * text.num_hidden_layers
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 6 * full * text.num_attention_heads * head_dim
+    return 6 * sum(t != "linear_attention" for t in kinds) * text.num_attention_heads * head_dim
 
 
-class MetricsLog:
-    """The log: rank 0 prints a fixed-field line per log interval and appends the same record to metrics.jsonl,
-    and, when MLFLOW_RUN_ID (set by Databricks jobs and @distributed) or MLFLOW_TRACKING_URI is set, logs the
-    resolved configuration as params and every number as a metric to that run. Secrets are never in either:
-    the configuration holds none (HF_TOKEN is read from the environment by huggingface_hub only).
+def rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak; KiB on Linux
 
-    A line sums the steps since the last one over all ranks; the loss is reduced only when a line is written
-    (its .item() is a sync point). A line is written at every checkpoint too, so a checkpoint holds no window.
-    last_loss: the last line's loss, the run's final loss."""
 
-    def __init__(self, cfg: Config, d: Dist, model):
+class MetricsLog(Operation, contextlib.AbstractContextManager):
+    """Rank 0's line per log_every steps, also in metrics.jsonl and (MLFLOW_RUN_ID or MLFLOW_TRACKING_URI) MLflow,
+    summed since the last over all ranks. As a context it ends the MLflow run FINISHED, KILLED or FAILED."""
+
+    def __init__(self, cfg: Config, d: Dist, model, packing: dict | None = None):
         self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
         if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
             import mlflow
@@ -1590,17 +1782,33 @@ class MetricsLog:
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
         self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
-        self.last_loss = None
+        if packing:
+            self.write({"step": 0, "packing": packing})
 
-    def add(self, stats: dict) -> None:
-        """A step's counts, from train_step, into the window."""
-        if stats["loss_sum"] is not None:  # a skipped step's loss is left out
-            self.loss_sum += stats["loss_sum"]
-            self.window["loss_tokens"] += stats["loss_tokens"]
-        flops = 6 * self.n_matmul * stats["tokens"] + self.attn_per_sq * stats["sum_sq_len"]
-        self.window.update(steps=1, flops=flops, blocks=stats["blocks"], tokens=stats["tokens"])
-        self.window["data_wait_s"] += stats["data_wait_s"]
-        self.grad_norm, self.lr = stats["grad_norm"], stats["lr"]
+    def __exit__(self, kind, error, traceback) -> None:
+        if self.mlflow:  # a job's run must not read as a success when it failed
+            status = "FINISHED" if kind is None else "KILLED" if issubclass(kind, Interrupted) else "FAILED"
+            self.mlflow.end_run(status=status)
+
+    def after_step(self, job: Job, stats: StepStats) -> None:
+        if stats.loss_sum is not None:  # a skipped step's loss is left out
+            self.loss_sum += stats.loss_sum
+            self.window["loss_tokens"] += stats.loss_tokens
+        flops = 6 * self.n_matmul * stats.tokens + self.attn_per_sq * stats.sum_sq_len
+        self.window.update(steps=1, flops=flops, blocks=stats.blocks, tokens=stats.tokens)
+        self.window["data_wait_s"] += stats.data_wait_s
+        self.grad_norm, self.lr = stats.grad_norm, stats.lr
+        if job.progress.step % self.cfg.log_every == 0 or job.progress.step == job.total_steps:
+            self.flush(job)
+
+    def at_end(self, job: Job, why: str) -> None:
+        if why != "diverged":
+            self.end_window(job)
+
+    def end_window(self, job: Job) -> None:
+        """The line of the steps since the last one, if any."""
+        if self.window["steps"]:
+            self.flush(job)
 
     def flush(self, job: Job) -> None:
         """Logs the window's line, checks the share of skipped records, starts afresh."""
@@ -1616,7 +1824,6 @@ class MetricsLog:
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
-        cuda = self.d.device.type == "cuda"  # memory: the GPU's peak allocated; on CPU the peak RSS (KiB on Linux)
         r = {
             "step": step,
             "total_steps": job.total_steps,
@@ -1628,7 +1835,7 @@ class MetricsLog:
             "non_padding_fraction": c["tokens"] / capacity,
             "loss_token_fraction": c["loss_tokens"] / capacity,
             "mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None,
-            "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib(),
+            "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib(),
             "data_wait_s": float(stalls[0]),  # the window's time waiting for blocks, on the rank that waited longest
             "alloc_retries": int(stalls[1]),  # since the start: CUDA caching-allocator retries, the most on a rank
             "eta_s": (job.total_steps - step) * seconds / c["steps"],
@@ -1637,13 +1844,11 @@ class MetricsLog:
             "elapsed_s": now - self.start,
             "time": time.time(),
         }
-        mfu, unit = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device
-        print0(
-            self.d.rank,
-            f"step {step}/{r['total_steps']} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} "
-            f"| {r['tokens_per_s_per_gpu']:,.0f} tok/s/{unit} | {r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{unit}"
-            f" | mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {timedelta(seconds=int(r['eta_s']))}",
-        )
+        mfu, u, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device, int(r["eta_s"])
+        speed = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/{u} | {r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{u}"
+        line = f"step {step}/{job.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f}"
+        tail = f"mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {timedelta(seconds=eta)}"
+        print0(self.d.rank, f"{line} | {speed} | {tail}")
         self.write(r)
         check_skips(int(skips[0]), int(skips[1]), {"on this rank": reasons}, self.cfg)
         self.since, self.window, self.last_loss = now, Counter(), r["loss"]
@@ -1665,199 +1870,86 @@ class MetricsLog:
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
-    def close(self, status: str) -> None:
-        """status: FINISHED, or FAILED when the run ends with an error (a job's run must not read as a success)."""
-        if self.mlflow:
-            self.mlflow.end_run(status=status)
+    def summary(self, job: Job) -> None:
+        """The run's last line: steps, final loss, the data seen on all ranks."""
+        progress, seen = job.progress, [None] * self.d.world_size
+        dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
+        data = dict(sum(seen, Counter()))
+        trained = f"final loss {self.last_loss}" if self.last_loss is not None else "none in this run"
+        print0(self.d.rank, f"done: {progress.step} steps, {trained}, data seen {data}")
+        self.write({"step": progress.step, "data_seen": data})
 
 
-class Evaluator:
-    """Token-weighted loss on the first eval_blocks blocks of each rank's shard of the held-out data; last_loss,
-    the last eval's."""
+# ---- Eval --------------------------------------------------------------------------------------------------------
+class Evaluator(Operation):
+    """The token-weighted loss on eval_blocks held-out blocks per rank, every eval_every steps and at the end."""
 
-    def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict):
-        self.cfg, self.d, self.filler, self.last_loss = cfg, d, filler, None
-        # A few blocks, read once: no worker, and a buffer of only those blocks (with eval_fraction, reading the
-        # held-out records for pack_buffer_blocks blocks would mean reading that much more training data).
+    def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict, log: MetricsLog):
+        self.cfg, self.d, self.filler, self.log = cfg, d, filler, log
+        # A few blocks, read once, in process, from a buffer of only those blocks (not pack_buffer_blocks' worth).
         in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)
         loader = block_loader(in_process, tokenizer, "eval", d.rank, d.world_size, epochs=1)
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
-        self.n_micro, self.loss_tokens = counts["max_blocks"], counts["loss_tokens"]
+        self.n_micro, self.loss_tokens = counts.max_blocks, counts.loss_tokens
         if self.loss_tokens == 0:
             raise UserError(f"the eval data ({data_source(cfg, 'eval')}) yields no loss tokens")
 
+    def after_step(self, job: Job, stats: StepStats) -> None:
+        step, every = job.progress.step, self.cfg.eval_every
+        if every and step % every == 0 and step < job.total_steps:
+            self.evaluate(job.model, step)
+
+    def at_end(self, job: Job, why: str) -> None:
+        if why in ("done", "exhausted"):
+            self.evaluate(job.model, job.progress.step)
+
     @torch.no_grad()
-    def __call__(self, model, step: int, log: MetricsLog) -> None:
+    def evaluate(self, model, step: int) -> None:
         model.eval()
         loss_sum = run_blocks(model, self.blocks, self.n_micro, self.filler, self.cfg, self.d, scale=None)
         model.train()
         dist.all_reduce(loss_sum)
-        loss = loss_sum.item() / self.loss_tokens
-        print0(self.d.rank, f"eval step {step} | loss {loss:.4f}")
-        log.write({"step": step, "eval_loss": loss})
-        self.last_loss = loss
+        self.last_loss = loss_sum.item() / self.loss_tokens
+        print0(self.d.rank, f"eval step {step} | loss {self.last_loss:.4f}")
+        self.log.write({"step": step, "eval_loss": self.last_loss})
 
 
-@contextlib.contextmanager
-def stop_on_sigterm():
-    """While training, SIGTERM asks the loop to save and stop (STOP) instead of ending the process at once. Before,
-    there is nothing to save, and it ends the process as usual."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        late = STOP.is_set()
-        STOP.clear()
-    if late:  # during the final eval or save, after the last check: the export is left to the restart
-        raise Interrupted("stopped by SIGTERM after the last step; its checkpoint, if any, is complete")
-
-
-class Interrupted(Exception):
-    """SIGTERM (a scheduler's stop, a preemption notice) reached a rank; raised on every rank once the step in
-    progress is done and its checkpoint complete. main() exits with 128 + SIGTERM, as a process killed by it."""
-
-
-def training_loop(
-    job: Job, blocks, log: MetricsLog, evaluator: Evaluator | None, checkpoints: Checkpointer, step_hook=None
-) -> bool:
-    """Steps until total_steps, until every rank's data has run out (a rank that runs out first feeds fillers until
-    all have), or until SIGTERM reaches any rank (then every rank finishes its step); logs every log_every steps,
-    evaluates every eval_every, saves every save_every. Returns whether SIGTERM stopped it. blocks: this rank's
-    block iterator, started at job.progress."""
-    cfg, d, progress, total_steps = job.cfg, job.d, job.progress, job.total_steps
-    data = progress.blocks_of(blocks, cfg.num_workers)  # a generator: an exhausted one may be asked again
-    probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else None
-    job.model.train()
-    while progress.step < total_steps:
-        if stop_requested(d):  # before any block of the next step is taken: the checkpoint resumes there
-            print0(d.rank, f"SIGTERM: stopping after step {progress.step}, once its checkpoint is written")
-            return True
-        waiting = time.perf_counter()
-        step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
-        waiting = time.perf_counter() - waiting
-        with probe.measuring() if probe else contextlib.nullcontext():
-            stats = train_step(job, step_blocks, step_hook)
-        if probe and probe.after_step(stepped=stats.get("loss_sum") is not None):
-            probe = None
-        checkpoints.after_step()
-        if progress.bad_in_a_row >= cfg.max_bad_steps:  # every rank agrees: they share the gradient norm
-            checkpoints.finish()  # the write in flight holds a state from before these steps: keep it
-            raise UserError(
-                f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {progress.step}: "
-                f"stopping. The last checkpoint is {checkpoints.newest()}; lower learning_rate or look at the data"
-            )
-        if stats["max_blocks"] == 0:
-            print0(d.rank, f"data exhausted on every rank after {progress.step} of {total_steps} steps")
-            return False
-        if stats["loss_tokens"] == 0:
-            continue
-        log.add({**stats, "data_wait_s": waiting})
-        step = progress.step
-        save = checkpoints.due(step) and step < total_steps
-        if step % cfg.log_every == 0 or step == total_steps or save:
-            log.flush(job)
-        if evaluator and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            evaluator(job.model, step, log)
-        if save:
-            checkpoints.save()
-    return False
-
-
-def finish_training(
-    job: Job, log: MetricsLog, evaluator: Evaluator | None, checkpoints: Checkpointer, stopped: bool
-) -> dict:
-    """After the loop: the last log line, the final eval, the final save (the export is left to a restart when
-    SIGTERM stopped the loop, which raises Interrupted once the checkpoint is complete)."""
-    progress = job.progress
-    if progress.step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
-        seen = dict(progress.stream_counts())
-        raise UserError(f"no step was trained: the data holds nothing to learn from (rank {job.d.rank}: {seen})")
-    if log.window["steps"]:  # the data ran out between log lines: log the rest before the final save
-        log.flush(job)
-    if evaluator and not stopped:
-        evaluator(job.model, progress.step, log)
-    if job.cfg.save_every >= 0 and progress.step != checkpoints.saved_step:
-        checkpoints.save()
-    checkpoints.finish()  # the write in flight finishes and its checkpoint completes
-    if stopped:
-        raise Interrupted(
-            f"stopped by SIGTERM after step {progress.step}; the newest checkpoint is {checkpoints.newest()}"
-        )
-    return {"steps": progress.step, "final_loss": log.last_loss, "eval_loss": evaluator and evaluator.last_loss}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# 6. Checkpoints, resume and the Hugging Face export
-# ------------------------------------------------------------------------------------------------------------
-
-
-def check_output_dir(cfg: Config, d: Dist) -> Path:
-    """Every rank writes its checkpoint shards to output_dir: make sure each can, before anything is loaded."""
-    out = Path(cfg.output_dir)
-    probe = out / f".write-test-rank{d.rank}"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(
-            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
-            "to a directory (or Unity Catalog volume path) this job can write"
-        ) from e
-    return out
-
-
+# ---- The run lock, SIGTERM, and the end of training --------------------------------------------------------------
 class RunLock(contextlib.AbstractContextManager):
-    """output_dir/run.lock, held by rank 0 of the run training into output_dir: its host, pid and start time,
-    refreshed every 30 s. Two runs on one output_dir would write the same checkpoints and log every line twice:
-    a second run refuses at start, naming the holder. A dead holder's lock is taken over: its pid is gone on this
-    host, or it has not been refreshed for 2 minutes (a holder on another host)."""
+    """output_dir/run.lock, held by rank 0, refreshed every 30 s: a second run refuses; a dead one's is taken over."""
 
     REFRESH_S, STALE_S = 30, 120
 
     def __init__(self, out: Path, d: Dist):
         self.path, self.d, self.released = out / "run.lock", d, threading.Event()
-        self.me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "run": os.urandom(8).hex(),  # this run's, whatever pid a restarted container gives it
-        }
+        started = time.strftime("%Y-%m-%d %H:%M:%S")  # run: this run's id, whatever pid a restarted container gets
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started, "run": os.urandom(8).hex()}
         decided_by_rank_0(self.acquire, f"cannot take the lock {self.path}", d)
         if d.rank == 0:
             threading.Thread(target=self.refresh, name="run-lock", daemon=True).start()
 
     def acquire(self) -> None:
-        """Takes the lock, or raises a UserError naming who holds it."""
-        try:
-            lock = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # of two runs at once, one creates it
-            os.write(lock, json.dumps(self.me).encode())
-            os.close(lock)
-        except FileExistsError:
-            try:  # a lock file written halfway (its writer died at once) is no lock
-                holder = json.loads(self.path.read_text())
-                age, host, pid = time.time() - self.path.stat().st_mtime, holder["host"], int(holder["pid"])
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                holder = None
-            if holder:
-                # Our own pid there: a container restarted under its old one.
-                pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))
-                if not pid_gone and age < self.STALE_S:
-                    raise UserError(
-                        f"output_dir {self.path.parent} is in use by another run (host {host}, pid {pid}, started "
-                        f"{holder.get('started')}, alive {age:.0f}s ago): use another output_dir, or remove "
-                        f"{self.path} if that run is gone"
-                    ) from None
-                print(f"taking over the lock of a run that is gone: {holder}", flush=True)
-            tmp = self.path.with_name(f"run.lock.{self.me['run']}")
-            tmp.write_text(json.dumps(self.me))
-            os.replace(tmp, self.path)
-        time.sleep(0.2)  # two runs that took the lock at once (one over the other's half-written file): one stays
+        """Takes the lock, or names who holds it."""
+        try:  # a lock file that cannot be read (written halfway by a writer that died) is no lock
+            holder = json.loads(self.path.read_text())
+            age, host, pid = time.time() - self.path.stat().st_mtime, holder["host"], int(holder["pid"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            holder = None
+        if holder:
+            # Our own pid there: a container restarted under its old one.
+            pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))
+            if not pid_gone and age < self.STALE_S:
+                raise UserError(
+                    f"output_dir {self.path.parent} is in use by another run (host {host}, pid {pid}, started "
+                    f"{holder.get('started')}, alive {age:.0f}s ago): use another output_dir, or remove "
+                    f"{self.path} if that run is gone"
+                )
+            print(f"taking over the lock of a run that is gone: {holder}", flush=True)
+        tmp = self.path.with_name(f"run.lock.{self.me['run']}")
+        tmp.write_text(json.dumps(self.me))
+        os.replace(tmp, self.path)  # whole or not at all
+        time.sleep(0.2)  # two runs that took the lock at once: the last write stays, the other refuses
         if json.loads(self.path.read_text()) != self.me:
             raise UserError(f"output_dir {self.path.parent} was just taken")
 
@@ -1884,328 +1976,66 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def complete_checkpoints(cfg: Config) -> list[Path]:
-    """Checkpoints every rank finished writing, oldest first. complete.json is written last, by rank 0, after
-    a barrier: a directory without it is an interrupted save and is never loaded."""
-    root = Path(cfg.output_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / "complete.json").exists())
+STOP = threading.Event()  # set by SIGTERM while training
 
 
-def checkpoint_meta(path: Path) -> dict:
-    """A complete checkpoint's complete.json: step, total_steps, world_size, scheduler, config, files (name: size),
-    sha256 (of the small files), bytes, seconds."""
-    return json.loads((path / "complete.json").read_text())
+class Interrupted(Exception):
+    """SIGTERM reached a rank: raised on all once the checkpoint is complete; main() exits 128 + SIGTERM."""
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(2**20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def sigterm_on_any_rank(d: Dist) -> bool:
+    """Whether any rank got SIGTERM: the same answer on every rank."""
+    stop = torch.tensor(float(STOP.is_set()), device=d.device)
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    return bool(stop)
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a complete checkpoint, checked against its complete.json, or None. (A complete.json
-    written before files and hashes were recorded has nothing to check against.)"""
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """While training, SIGTERM asks the loop to stop and save, instead of ending the process at once."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
     try:
-        meta = checkpoint_meta(path)
-        for name, size in meta.get("files", {}).items():
-            if (path / name).stat().st_size != size:
-                return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
-        for name, digest in meta.get("sha256", {}).items():
-            if sha256(path / name) != digest:
-                return f"{name} differs from what was written"
-    except (FileNotFoundError, ValueError, AttributeError, TypeError) as e:  # a missing file, a broken complete.json
-        return f"{type(e).__name__}: {e}"
-    return None
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        late = STOP.is_set()
+        STOP.clear()
+    if late:  # during the final eval or save, after the last check: the export is left to the restart
+        raise Interrupted("stopped by SIGTERM after the last step; its checkpoint, if any, is complete")
 
 
-def resume_point(cfg: Config, d: Dist) -> Path | None:
-    """The newest complete checkpoint that passes checkpoint_problem. One that fails is named and set aside
-    (renamed rejected-step_N-<time>, kept for a look), and the one before it is tried; if every one fails, the
-    run stops (started again, it starts afresh). Rank 0 decides, for all: ranks must not take different branches
-    on their own views of a (possibly cached, possibly node-local) file system."""
-
-    def newest_intact() -> Path | None:
-        candidates = complete_checkpoints(cfg)
-        for path in reversed(candidates):
-            problem = checkpoint_problem(path)
-            if not problem:
-                return path
-            aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            path.rename(aside)
-            print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
-        if candidates:
-            raise UserError(f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again")
-        return None
-
-    return decided_by_rank_0(newest_intact, f"cannot read the checkpoints in {cfg.output_dir}", d)
+def leave_process_group(worker_id: int) -> None:
+    """A DataLoader worker leaves the process group torchrun signals: SIGTERM is the training process's to handle."""
+    os.setpgrp()
 
 
-def decided_by_rank_0(decide, failure: str, d: Dist):
-    """decide() on rank 0 alone, its result for every rank. Its UserError, or a failure of the file system there
-    (named by `failure`), is raised on every rank: no rank waits in a collective for one that has left."""
-    outcome = [None, None]  # (result, error)
-    if d.rank == 0:
-        try:
-            outcome[0] = decide()
-        except UserError as e:
-            outcome[1] = str(e)
-        except (OSError, ValueError) as e:
-            outcome[1] = f"{failure}: {e}"
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[1]:
-        raise UserError(outcome[1])
-    return outcome[0]
-
-
-def walk_tensors(value, fn, key: tuple = ()):
-    """A copy of a nested dict/list state with each tensor replaced by fn(its key path, the tensor)."""
-    if isinstance(value, dict):
-        return {k: walk_tensors(v, fn, (*key, k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [walk_tensors(v, fn, (*key, i)) for i, v in enumerate(value)]
-    if isinstance(value, torch.Tensor):
-        return fn(key, value)
-    return value
-
-
-class Staged(AsyncStager):
-    """For dcp.async_save: the state is staged already (Checkpointer.stage), so there is nothing to copy."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Checkpointer:
-    """Sharded DCP checkpoints of the model and AdamW state (each rank writes its own shards), each rank's Progress
-    and RNG states, then complete.json (step, scheduler, configuration), written by rank 0 only once every rank's
-    write has finished: a crash during a write leaves the previous checkpoint the newest complete one.
-
-    async_save: each rank first copies its state to host memory (pinned on GPUs; the training stall), then a
-    background thread writes it while training goes on; after each step the ranks check together whether every
-    write has finished, and then complete.json is written. One write at a time: a save, and the end of the run,
-    wait for the one in flight. The background writes coordinate over a gloo group of their own, so their
-    collectives never interleave with training's."""
-
-    def __init__(self, job: Job):
-        self.job, self.pending, self.last, self.buffers, self.preparing = job, None, time.monotonic(), {}, None
-        self.saved_step = job.progress.step or None  # a resumed run starts at a saved step
-        if job.cfg.async_save and job.cfg.save_every >= 0:
-            self.group = dist.new_group(backend="gloo")
-            # The staged copy in host memory, per rank and per node (weights, and AdamW's two moments of the
-            # trained ones), stated against the node's memory.
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size))
-            rank_bytes = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters())
-            node, gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 2**30
-            swap = ranks * rank_bytes > 0.8 * node
-            warn = " -- over 80% of it: expect swapping, or set async_save: false" if swap else ""
-            print0(
-                job.d.rank,
-                f"async_save: {rank_bytes / gib:.1f} GiB of host memory per rank for the staged checkpoint, "
-                f"{ranks * rank_bytes / gib:.1f} GiB on this node of {node / gib:.0f} GiB{warn}",
-            )
-
-    def due(self, step: int) -> bool:
-        """Whether to save after this step: every save_every steps, or save_every_minutes after the last save (rank
-        0's clock decides, so that every rank saves the same steps)."""
-        cfg, d = self.job.cfg, self.job.d
-        if cfg.save_every > 0 and step % cfg.save_every == 0:
-            return True
-        if not cfg.save_every_minutes or cfg.save_every < 0:
-            return False
-        late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=d.device)
-        dist.broadcast(late, src=0)
-        return bool(late)
-
-    def state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optimizer_state = get_state_dict(self.job.model, self.job.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def save(self) -> None:
-        self.finish()  # the write in flight, if any
-        job, d, progress = self.job, self.job.d, self.job.progress
-        t0 = time.perf_counter()
-        path = Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
-        if d.rank == 0 and path.exists():
-            shutil.rmtree(path)  # an earlier, interrupted save of this step
-        dist.barrier()
-        path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
-        state = self.state()
-        future = None
-        if job.cfg.async_save:  # the copy must be taken before the next step changes the weights
-            staged = self.stage(state)
-            future = dcp.async_save(staged, checkpoint_id=str(path), process_group=self.group, async_stager=Staged())
-        else:
-            dcp.save(state, checkpoint_id=str(path))
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if d.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(d.device)
-        torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
-        meta = {
-            "step": progress.step,
-            "total_steps": job.total_steps,
-            "world_size": d.world_size,
-            "scheduler": job.scheduler.state_dict(),
-            "config": dataclasses.asdict(job.cfg),
-        }
-        self.pending, self.last = (future, path, meta, t0, time.perf_counter() - t0), time.monotonic()
-        self.saved_step = progress.step
-        if not future:
-            self.finish()
-
-    def prepare(self) -> None:
-        """Called after each step; after the first (AdamW's state exists from then on) it allocates and pins the
-        staging buffers in a background thread, so that the first save stalls training for a copy too, not for
-        the seconds that allocating and pinning tens of GB take (docs/CHECKPOINTS.md)."""
-        cfg, optimizer = self.job.cfg, self.job.optimizer
-        if self.preparing or self.buffers or not optimizer.state or not cfg.async_save or cfg.save_every < 0:
-            return
-        from torch.distributed.tensor import DTensor
-
-        layout = []  # each rank-local tensor's shape and dtype, taken here: the thread reads no live state
-
-        def note(key, value):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            layout.append((key, local.shape, local.dtype))
-
-        walk_tensors(self.state(), note)
-        self.preparing = threading.Thread(target=lambda: [self.buffer(*leaf) for leaf in layout], daemon=True)
-        self.preparing.start()
-
-    def buffer(self, key: tuple, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The host buffer kept for one tensor of the state, pinned in place on GPUs (PyTorch's pinned allocator
-        would round each up to a power of 2)."""
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
-            buffer = torch.empty(shape, dtype=dtype)
-            if self.job.d.device.type == "cuda" and buffer.nbytes:
-                cudart = torch.cuda.cudart()
-                cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
-                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-            self.buffers[key] = buffer
-        return buffer
-
-    @torch.no_grad()
-    def stage(self, state: dict) -> dict:
-        """The state with every tensor copied into its host buffer (prepare; docs/CHECKPOINTS.md measures the copy).
-        Sharded tensors keep their placements, over a CPU mesh of the checkpoint group, so the files are those a
-        save from the GPU writes. (DCP's own stager caches its buffers too, but on torch 2.11 its second save
-        failed.)"""
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor
-
-        if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them
-            self.preparing.join()
-            self.preparing = None
-        pinned = self.job.d.device.type == "cuda"
-        self.mesh = getattr(self, "mesh", None) or DeviceMesh.from_group(self.group, "cpu")
-
-        def host(key, value):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            buffer = self.buffer(key, local.shape, local.dtype)
-            buffer.copy_(local, non_blocking=pinned)
-            if not isinstance(value, DTensor):
-                return buffer
-            shape, stride = value.shape, value.stride()
-            return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
-
-        staged = walk_tensors(state, host)
-        if pinned:
-            torch.cuda.synchronize()
-        return staged
-
-    def after_step(self) -> None:
-        """After each step: while a write is in flight, once every rank's has finished, complete the checkpoint;
-        after the first step, prepare the staging buffers."""
-        if self.pending and self.pending[0]:
-            running = torch.tensor(int(not self.pending[0].done()), device=self.job.d.device)
-            dist.all_reduce(running)
-            if not running:
-                self.finish()
-        self.prepare()
-
-    def newest(self) -> str:
-        """The newest complete checkpoint, for a message."""
-        never = "none (save_every: -1)" if self.job.cfg.save_every < 0 else "none"
-        return str((complete_checkpoints(self.job.cfg) or [never])[-1])
-
-    def finish(self) -> None:
-        """Waits for the write in flight, then rank 0 writes complete.json and removes what is no longer kept."""
-        if not self.pending:
-            return
-        (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
-        if future:
-            future.result()  # raises what the write raised
-        dist.barrier()  # every rank has written its part
-        self.pending = None
-        if self.job.d.rank == 0:
-            files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
-            # What a resume verifies cheaply: every file's size, and the hash of each small one (.metadata, ranks').
-            small = {name: sha256(path / name) for name, size in files.items() if size < 2**26}
-            meta.update(files=files, sha256=small, bytes=sum(files.values()), seconds=time.perf_counter() - t0)
-            (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
-            os.replace(path / "complete.json.tmp", path / "complete.json")
-            complete = complete_checkpoints(cfg)
-            for old in complete[: -cfg.keep_checkpoints]:
-                shutil.rmtree(old)
-            for unfinished in (p for p in path.parent.glob("step_*") if p not in complete and p.name < path.name):
-                shutil.rmtree(unfinished)
-            print(
-                f"checkpoint step {meta['step']}: {meta['bytes'] / 2**30:.2f} GiB in {meta['seconds']:.1f}s "
-                f"(training stalled {stall:.1f}s) -> {path}",
-                flush=True,
-            )
-
-
-def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
-    """Checks that this configuration can resume the checkpoint at path and returns this rank's Progress, RNG
-    states restored. Needs no model, so the data stream can restart while the weights load."""
-    if meta["world_size"] != d.world_size:
+def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
+    """After the loop: each operation's at_end, then the ends that are errors: no step, SIGTERM, a diverged run."""
+    cfg, d, step = job.cfg, job.d, job.progress.step
+    if why == "SIGTERM":
+        print0(d.rank, f"SIGTERM: stopping after step {step}, once its checkpoint is written")
+    elif why == "exhausted":
+        print0(d.rank, f"data exhausted on every rank after {step} of {job.total_steps} steps")
+    if step == 0 and why == "SIGTERM":
+        raise Interrupted("stopped by SIGTERM before the first step")
+    if step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
+        seen = dict(job.progress.stream_counts())
+        raise UserError(f"no step was trained: the data holds nothing to learn from (rank {d.rank}: {seen})")
+    for operation in operations:
+        operation.at_end(job, why)
+    if why == "SIGTERM":
+        raise Interrupted(f"stopped by SIGTERM after step {step}; the newest checkpoint is {newest_checkpoint(cfg)}")
+    if why == "diverged":
         raise UserError(
-            f"{path} was written by {meta['world_size']} ranks; resume with as many, or use another output_dir"
+            f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}: stopping. "
+            f"The last checkpoint is {newest_checkpoint(cfg)}; lower learning_rate or look at the data"
         )
-    fixed = fixed_on_resume(meta["config"], cfg)
-    if fixed:
-        changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
-        raise UserError(
-            f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the "
-            "batch and the optimizer of its checkpoint. Restore them, or use another output_dir"
-        )
-    changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
-    if changed:
-        print0(d.rank, f"resuming with configuration changes: {changed}")
-    saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
-    torch.set_rng_state(saved["rng"]["torch"])
-    random.setstate(saved["rng"]["python"])
-    if "cuda" in saved["rng"]:
-        torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
-    return Progress.from_state(saved["progress"])
 
 
-def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist) -> None:
-    """Loads the checkpoint's model, optimizer and LR scheduler states into the sharded model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    t0 = time.perf_counter()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    scheduler.load_state_dict(meta["scheduler"])
-    seconds = time.perf_counter() - t0
-    print0(d.rank, f"resumed from {path} (step {meta['step']} of {meta['total_steps']}) in {seconds:.1f}s")
-
+# ---- The Hugging Face export -------------------------------------------------------------------------------------
 
 # A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
@@ -2213,38 +2043,23 @@ chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spie
 
 
 def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
-    """generation_config.json's eos_token_id gains the tokenizer's eos and the token its chat template ends an
-    assistant turn with, so generate() and servers stop where the fine-tuned model learned to end its answer
-    (Llama 3.1 base weights with the Instruct tokenizer: <|eot_id|>, not only the base's <|end_of_text|>)."""
-    from transformers import GenerationConfig
-
-    path = out / "generation_config.json"
-    config = (
-        GenerationConfig.from_pretrained(out) if path.exists() else GenerationConfig.from_model_config(model_config)
-    )
+    """eos_token_id gains the template's end-of-turn token: generate() stops where the model learned to."""
+    saved = (out / "generation_config.json").exists()
+    config = transformers.GenerationConfig.from_pretrained(out) if saved else None
+    config = config or transformers.GenerationConfig.from_model_config(model_config)
     eos = {*(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])}
-    turn = AssistantMasker(tokenizer)([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
-    if not isinstance(turn, str):  # the last token of an assistant turn's loss span is its end-of-turn token
-        ids, mask = turn
+    with contextlib.suppress(Skip):  # the last token of an assistant turn's loss span is its end-of-turn token
+        turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        ids, mask = AssistantMasker(tokenizer)(turn)
         eos.add(ids[max(i for i, m in enumerate(mask) if m)])
     config.eos_token_id = sorted((eos | {tokenizer.eos_token_id}) - {None})
     config.save_pretrained(out)
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
-    """Writes output_dir/model: a consolidated Hugging Face checkpoint that from_pretrained loads as is.
-
-    Each rank writes its own shards (cast back to the source checkpoint's dtype per tensor), which DCP then
-    consolidates file by file into the source's file layout: no rank gathers the model. Tensors the model
-    has no module for (mtp.* heads) are copied from the source unchanged, and so are its configuration and
-    processor files; the tokenizer is the one trained with.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    t0 = time.perf_counter()
-    out = Path(cfg.output_dir) / "model"
+    """output_dir/model: a Hugging Face checkpoint in the source's dtypes and files, consolidated by DCP from every
+    rank's shards; unmodelled tensors (mtp.*) and configs from the source, the tokenizer trained with."""
+    t0, out = time.perf_counter(), Path(cfg.output_dir) / "model"
     if d.rank == 0 and out.exists():
         shutil.rmtree(out)
     dist.barrier()
@@ -2278,123 +2093,6 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
         print(f"exported {len(state) + len(extra)} tensors, {size:.2f} GiB in {seconds:.1f}s -> {out}", flush=True)
     dist.barrier()
     return out
-
-
-# ------------------------------------------------------------------------------------------------------------
-# 7. Entry points: train(config) for notebooks and torchrun, main()
-# ------------------------------------------------------------------------------------------------------------
-
-
-def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
-    """Runs the whole job in this rank's process and returns {final_loss, eval_loss, steps, output_dir, model_dir}.
-
-    torchrun calls it through main(); a notebook's @distributed function calls it directly in each rank's
-    process, with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* already set. config: a Config, a dict (checked key by key
-    like a YAML file), or the path of a YAML file. An existing process group is used and left open; one
-    created here is destroyed here. step_hook(step, model, loss_sum) -> loss_sum runs on every rank after each
-    step's backward, before clipping (fault injection in the tests, custom monitoring).
-    """
-    if isinstance(config, (str, Path)):
-        config = load_config(yaml_source(config, "train()"))
-    elif not isinstance(config, Config):
-        config = load_config(("train()", config or {}))
-    d = setup_distributed()
-    try:
-        with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
-            return run(config, d, step_hook)
-    finally:
-        if d.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def startup_checks(cfg: Config, d: Dist):
-    """Everything that can be checked without the weights, checked first: the attention backend, the model's
-    config, kernels and settings, the tokenizer, the data. Returns (attention, model config, tokenizer)."""
-    attn = resolve_attention(cfg.attn_implementation, d.device)
-    config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
-    require_kernels(config)
-    check_model_settings(config, cfg, d.device)
-    tokenizer = load_tokenizer(cfg)
-    for part in ["train"] + (["eval"] if cfg.eval_split else []):
-        check_data(cfg, part)
-    return attn, config, tokenizer
-
-
-def run(cfg: Config, d: Dist, step_hook=None) -> dict:
-    import transformers
-
-    torch.manual_seed(cfg.seed)
-    print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
-    attn, config, tokenizer = on_every_rank(partial(startup_checks, cfg, d), d)
-    resume_from = resume_point(cfg, d)
-    meta = checkpoint_meta(resume_from) if resume_from else None
-    progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
-    if d.rank == 0:  # the settings of this run, once they are known to be usable
-        (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    total_steps, stats = step_count(cfg, tokenizer, d, meta)
-    # The data stream starts now: its worker packs the first buffer while the weights load.
-    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
-    source = on_every_rank(partial(pretrained_dir, cfg), d)
-    t0 = time.perf_counter()
-    model = build_model(config, cfg, attn, d.device)
-    # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
-    if cfg.init == "pretrained":
-        source_dtypes = checkpoint_dtypes(source)
-    else:
-        source_dtypes = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
-    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
-    if meta:
-        resume_weights(resume_from, meta, model, optimizer, scheduler, d)
-    elif cfg.init == "pretrained":
-        load_pretrained(model, source, source_dtypes)
-    else:
-        init_random(model, cfg.seed)
-    layers = model.get_decoder().layers
-    recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
-    if recompute_is_measured(cfg, d.device):
-        recomputed += " until activation_checkpointing auto decides"
-    print0(
-        d.rank,
-        f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
-        f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
-        f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in "
-        f"{time.perf_counter() - t0:.1f}s, peak host memory {rss_gib():.1f} GiB on rank 0\n"
-        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
-        f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
-        f"transformers {transformers.__version__}",
-    )
-    log, status = MetricsLog(cfg, d, model), "FAILED"
-    try:
-        if stats:
-            log.write({"step": 0, "packing": stats})
-        job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler_block(pad_token_id(tokenizer)))
-        evaluator = Evaluator(cfg, tokenizer, d, job.filler) if cfg.eval_split or cfg.eval_fraction else None
-        with stop_on_sigterm():
-            checkpoints = Checkpointer(job)
-            stopped = training_loop(job, blocks, log, evaluator, checkpoints, step_hook)
-            result = finish_training(job, log, evaluator, checkpoints, stopped)
-        seen = [None] * d.world_size
-        dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
-        summary = dict(sum(seen, Counter()))
-        trained = f"final loss {result['final_loss']}" if result["final_loss"] is not None else "none in this run"
-        print0(d.rank, f"done: {result['steps']} steps, {trained}, data seen {summary}")
-        log.write({"step": result["steps"], "data_seen": summary})
-        export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
-        status = "FINISHED"
-    except Interrupted:
-        status = "KILLED"  # MLflow's word for a run stopped from outside
-        raise
-    finally:
-        log.close(status)
-    return {**result, "output_dir": cfg.output_dir, "model_dir": str(export) if export else None}
-
-
-def main(argv: list[str] | None = None) -> None:
-    try:
-        train(parse_args(sys.argv[1:] if argv is None else argv)[0])
-    except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
-        print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
-        sys.exit(2 if isinstance(e, UserError) else 128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,13 @@ def with_template(tokenizer, template):
     return tok
 
 
+def skip_reason(call) -> str:
+    """The reason call() skips its record (train.Skip's message); fails the test if it does not."""
+    with pytest.raises(train.Skip) as skipped:
+        call()
+    return str(skipped.value)
+
+
 def loss_runs(tokenizer, ids, mask):
     """Decoded text of each maximal run of loss tokens."""
     runs, current = [], []
@@ -90,9 +97,8 @@ def test_the_seed_method_is_wrong_on_qwen3_5_where_ours_is_exact(tokenizer, conv
 def test_content_the_template_rewrites_is_skipped_not_guessed(tokenizer):
     rewriting = CHATML.replace("{{ m.content }}", "{{ m.content | replace('2', 'two') }}")
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"}]
-    assert (
-        train.AssistantMasker(with_template(tokenizer, rewriting))(messages) == "template renders content-dependently"
-    )
+    masker = train.AssistantMasker(with_template(tokenizer, rewriting))
+    assert skip_reason(lambda: masker(messages)) == "template renders content-dependently"
     ids, mask = train.AssistantMasker(with_template(tokenizer, CHATML))(messages)  # no reasoning_content: verbatim
     assert loss_runs(tokenizer, ids, mask) == ["<think>add</think>4<|im_end|>"]
 
@@ -101,18 +107,15 @@ def test_span_that_does_not_start_on_a_token_boundary_is_skipped(tokenizer):
     # "assistant: Four" -> byte-level BPE merges the space into " Four": the span would start mid-token.
     template = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four"}]
-    assert (
-        train.AssistantMasker(with_template(tokenizer, template))(messages) == "assistant span not on token boundaries"
-    )
+    masker = train.AssistantMasker(with_template(tokenizer, template))
+    assert skip_reason(lambda: masker(messages)) == "assistant span not on token boundaries"
 
 
 def test_template_without_end_of_turn_token_is_skipped(tokenizer):
     template = "{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n\n{% endfor %}"
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four"}]
-    assert (
-        train.AssistantMasker(with_template(tokenizer, template))(messages)
-        == "no end-of-turn token after an assistant turn"
-    )
+    masker = train.AssistantMasker(with_template(tokenizer, template))
+    assert skip_reason(lambda: masker(messages)) == "no end-of-turn token after an assistant turn"
 
 
 @pytest.mark.parametrize(
@@ -126,7 +129,7 @@ def test_template_without_end_of_turn_token_is_skipped(tokenizer):
     ],
 )
 def test_malformed_conversations_are_named(messages, reason):
-    assert train.conversation_problem(messages) == reason
+    assert skip_reason(lambda: train.check_conversation(messages)) == reason
 
 
 WEATHER_TOOL = {
@@ -182,8 +185,9 @@ def test_records_in_openai_form_and_content_parts_are_read_as_the_template_takes
     ids, mask = train.AssistantMasker(tok)(messages, tools)
     assert len(loss_runs(tok, ids, mask)) == 2
     image = {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]}
-    assert train.conversation_of({"messages": [image]}, cfg) == "a content part that is not text"
-    assert train.conversation_of({"messages": [], "tools": "{not json"}, cfg) == "tools or tool-call arguments not JSON"
+    assert skip_reason(lambda: train.conversation_of({"messages": [image]}, cfg)) == "a content part that is not text"
+    bad_tools = {"messages": [], "tools": "{not json"}
+    assert skip_reason(lambda: train.conversation_of(bad_tools, cfg)) == "tools or tool-call arguments not JSON"
 
 
 def turn(content, reasoning=None):
@@ -240,17 +244,22 @@ def test_tool_calls_that_could_be_masked_wrongly_are_skipped(tokenizer):
     qwen = train.AssistantMasker(with_template(tokenizer, QWEN3_5))
     fake_end = {**CALL, "function": {**CALL["function"], "arguments": {"city": "Paris<|im_end|>"}}}
     call_turn = {"role": "assistant", "content": "", "tool_calls": [fake_end]}
-    assert qwen([{"role": "user", "content": "Weather?"}, call_turn]) == "special-token text in a content"
+    assert (
+        skip_reason(lambda: qwen([{"role": "user", "content": "Weather?"}, call_turn]))
+        == "special-token text in a content"
+    )
     chatml = train.AssistantMasker(with_template(tokenizer, CHATML))
     reasoned = [{"role": "user", "content": "2+2?"}, turn("4", "Two twos.")]
-    assert chatml.samples(reasoned) == "reasoning the template does not render (set reasoning: drop)"
+    assert (
+        skip_reason(lambda: chatml.samples(reasoned)) == "reasoning the template does not render (set reasoning: drop)"
+    )
     calls_first = CHATML.replace(
         "{{ m.content }}",
         "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}{{ m.content }}",
     )
     only_calls = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
     masker = train.AssistantMasker(with_template(tokenizer, calls_first))
-    assert masker(only_calls) == "template renders content-dependently"
+    assert skip_reason(lambda: masker(only_calls)) == "template renders content-dependently"
 
 
 def test_an_openai_tool_call_turn_with_null_content_is_trained(tokenizer):
@@ -298,4 +307,4 @@ def test_a_template_that_renders_calls_without_content_trains_them_from_its_gene
     assert loss_runs(tok, ids, mask) == [call, "18C in Paris.<|eot_id|>"]
     # A content beside calls is not rendered by this template: it cannot be trained, so the record is skipped.
     with_content = [messages[0], {**messages[1], "content": "Let me look."}, *messages[2:]]
-    assert train.AssistantMasker(tok)(with_content) == "template renders content-dependently"
+    assert skip_reason(lambda: train.AssistantMasker(tok)(with_content)) == "template renders content-dependently"

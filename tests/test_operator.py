@@ -221,7 +221,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(t
     assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(out)))][-1] == "step_00000005"
 
 
-def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_the_run(
+def test_a_checkpoint_without_its_file_records_is_damaged_and_all_damaged_ones_stop_the_run(
     two_checkpoints, tmp_path, world_of_one
 ):
     _, finished = two_checkpoints
@@ -230,9 +230,8 @@ def test_a_checkpoint_from_before_file_records_passes_and_all_damaged_ones_stop_
     old = out / "checkpoints/step_00000004"
     meta = train.checkpoint_meta(old)
     (old / "complete.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("files", "sha256")}))
-    assert train.checkpoint_problem(old) is None  # nothing to check it against: resumed, not set aside
-    for step in ("step_00000002", "step_00000004"):
-        (out / "checkpoints" / step / "complete.json").write_text("")
+    assert train.checkpoint_problem(old) == "KeyError: 'files'"  # nothing to check it against: never trusted
+    (out / "checkpoints/step_00000002/complete.json").write_text("")
     with pytest.raises(train.UserError, match="every checkpoint in .* is damaged"):
         train.resume_point(train.Config(output_dir=str(out)), world_of_one)
     assert len(list((out / "checkpoints").glob("rejected-step_*"))) == 2 and not train.complete_checkpoints(

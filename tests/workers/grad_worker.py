@@ -19,7 +19,7 @@ train.load_pretrained(model, Path(model_dir), train.checkpoint_dtypes(Path(model
 per_rank = json.loads(Path(blocks_file).read_text())
 blocks = [train.make_block(segments, length, pad_id=0) for segments, length in per_rank[d.rank]]
 counts = train.global_counts(blocks, d)
-n_micro, loss_tokens = counts["max_blocks"], counts["loss_tokens"]
+n_micro, loss_tokens = counts.max_blocks, counts.loss_tokens
 filler = train.filler_block(0)
 loss_sum = train.run_blocks(model, blocks, n_micro, filler, cfg, d, scale=d.world_size / loss_tokens)
 dist.all_reduce(loss_sum)
