@@ -1,4 +1,5 @@
-"""The Databricks surface: the shipped workload YAMLs, their parameters, MLflow, and the notebook entry point."""
+"""The Databricks surface: the shipped workload YAMLs (each, beside train.py alone, is the whole job), their
+parameters, MLflow, and the notebook entry point."""
 
 import json
 import math
@@ -8,83 +9,91 @@ import subprocess
 import sys
 from pathlib import Path
 
+import air_schema
 import pytest
 import yaml
 from conftest import ROOT, TORCHRUN, fake_cuda_home, worker_env, write_tiny_job
 
 import train
 
-WORKLOADS = [ROOT / "workload.yaml", *sorted((ROOT / "examples").glob("*x*.yaml"))]
-TOP_LEVEL = {
-    "experiment_name",
-    "environment",
-    "compute",
-    "code_source",
-    "env_variables",
-    "secrets",
-    "parameters",
-    "max_retries",
-    "timeout_minutes",
-    "command",
-}
-ACCELERATORS = {"GPU_8xB300": 8, "GPU_8xB200": 8, "GPU_8xH100": 8, "GPU_8xH200": 8, "GPU_1xA10": 1, "GPU_1xH100": 1}
+WORKLOADS = sorted(ROOT.glob("*.yaml"))
 
 
 def test_the_default_job_and_the_multi_node_example_are_shipped():
-    names = [w.name for w in WORKLOADS]
-    assert names == ["workload.yaml", "llama3.1-8b-2x8xH100.yaml"]
+    assert [w.name for w in WORKLOADS] == ["llama3.1-8b-2x8xH100.yaml", "workload.yaml"]
 
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_workload_follows_the_ai_runtime_rules(path):
+def test_workload_follows_the_recipes_rules(path):
     w = yaml.safe_load(path.read_text())
-    assert {"experiment_name", "compute", "command"} <= set(w) and set(w) <= TOP_LEVEL, set(w) - TOP_LEVEL
-    gpus_per_node = ACCELERATORS[w["compute"]["accelerator_type"]]
-    assert w["compute"]["num_accelerators"] % gpus_per_node == 0
-    assert w["code_source"]["type"] == "snapshot" and set(w["code_source"]) == {"type", "snapshot"}
+    assert w["code_source"] == {"root_path": "."}  # the seed's form, and its folder: the YAML's own, with train.py
     assert w["environment"]["version"] == "databricks_ai_v6"
-    assert all(isinstance(v, str) for v in w.get("env_variables", {}).values())
-    for name, ref in w.get("secrets", {}).items():
-        assert isinstance(ref, str) and len(ref.split("/")) == 2 and all(ref.split("/")), (name, ref)
     train.load_config((str(path), w["parameters"]))  # raises on a key train.py does not have, or a bad value
     assert w["parameters"]["output_dir"].startswith("/Volumes/")
     assert w["max_retries"] >= 1  # a retry resumes from the last checkpoint
-    assert "torchrun" in w["command"] and '"${NUM_NODES:-1}"' in w["command"]
-
-
-def upload_folder(path: Path) -> Path:
-    """The folder the platform uploads: code_source.snapshot.root_path, a relative one resolved against the YAML
-    file's folder (as both `databricks air run` and the databricks-air package resolve it)."""
-    root = Path(yaml.safe_load(path.read_text())["code_source"]["snapshot"]["root_path"])
-    return (root if root.is_absolute() else path.parent / root).resolve()
-
-
-def uploaded_files(folder: Path) -> list[str]:
-    """What its snapshot holds: the folder's files less those .gitignore names."""
-    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
-    return subprocess.run(listed, cwd=folder, capture_output=True, text=True, check=True).stdout.split()
+    assert "exec torchrun" in w["command"] and '"${NUM_NODES:-1}"' in w["command"]
 
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_workload_uploads_the_recipe(path):
-    assert {"train.py", "requirements.txt", "scripts/setup_node.sh"} <= set(uploaded_files(upload_folder(path)))
+def test_workload_passes_the_newest_cli_schema(path):
+    """tests/air_schema.py: the rules of `databricks air run` (the Go CLI's newest loader), which takes both the
+    flat code_source form and the legacy nested one."""
+    w = yaml.safe_load(path.read_text())
+    assert air_schema.validate(w, path.parent) == []
+    assert air_schema.code_source_root(w, path) == ROOT
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"gpus": 8}, "field gpus not found"),
+        ({"compute": {"accelerator_type": "GPU_8xA100", "num_accelerators": 8}}, "invalid GPU type"),
+        ({"compute": {"accelerator_type": "GPU_8xB300", "num_accelerators": 12}}, "num_accelerators"),
+        ({"secrets": {"HF_TOKEN": "scope_key"}}, "expected format 'scope/key'"),
+        ({"code_source": {"root_path": ".", "snapshot": {"root_path": "."}}}, "cannot combine"),
+        ({"code_source": {"root_path": "no-such-folder"}}, "no-such-folder"),
+    ],
+)
+def test_the_schema_check_finds_what_the_cli_refuses(change, problem):
+    w = yaml.safe_load((ROOT / "workload.yaml").read_text()) | change
+    assert any(problem in p for p in air_schema.validate(w, ROOT)), air_schema.validate(w, ROOT)
 
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_workload_passes_the_platform_validator(path, tmp_path, monkeypatch):
-    """databricks-air's own loader (what its `air run` checks before submitting): the schema, the files, the
-    upload folder. No workspace is configured, so its accelerator availability query is skipped."""
-    from cli.run_config import _load_and_validate_yaml
+def test_the_legacy_python_cli_takes_the_nested_form_only(path, tmp_path, monkeypatch):
+    """databricks-air, the deprecated Python `air run` (its loader: the schema, the files, the upload folder; no
+    workspace is configured, so its accelerator query is skipped): the shipped flat form is refused, and the
+    same file with code_source: {type: snapshot, snapshot: {root_path: ...}} (README) passes."""
+    from cli.run_config import YamlValidationError, _load_and_validate_yaml
 
     for key in ("DATABRICKS_HOST", "DATABRICKS_TOKEN", "DATABRICKS_CONFIG_PROFILE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("DATABRICKS_CONFIG_FILE", str(tmp_path / "no-databrickscfg"))
-    config, _ = _load_and_validate_yaml(path)
-    assert Path(config.code_source.snapshot.repo_path).resolve() == upload_folder(path) == ROOT
+    w = yaml.safe_load(path.read_text())
+    w["code_source"] = {"root_path": str(ROOT)}
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(w))
+    with pytest.raises(YamlValidationError, match="Unknown field 'root_path'"):
+        _load_and_validate_yaml(tmp_path / "flat.yaml")
+    w["code_source"] = {"type": "snapshot", "snapshot": {"root_path": str(ROOT)}}
+    (tmp_path / "nested.yaml").write_text(yaml.safe_dump(w))
+    config, _ = _load_and_validate_yaml(tmp_path / "nested.yaml")
+    assert Path(config.code_source.snapshot.repo_path).resolve() == ROOT
 
 
-def test_multi_node_example_takes_the_token_from_a_secret():
-    w = yaml.safe_load((ROOT / "examples/llama3.1-8b-2x8xH100.yaml").read_text())
+def uploaded_files(folder: Path) -> list[str]:
+    """What a snapshot of folder holds: its files less those .gitignore names (git ls-files' view of it)."""
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    return subprocess.run(listed, cwd=folder, capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_the_repo_uploads_the_recipe_and_not_the_local_outputs():
+    files = set(uploaded_files(ROOT))
+    assert {"train.py", "workload.yaml", "llama3.1-8b-2x8xH100.yaml"} <= files
+    assert not any(f.startswith((".venv/", "outputs/", ".tiny-model/")) for f in files)
+
+
+def test_the_multi_node_example_takes_the_token_from_a_secret():
+    w = yaml.safe_load((ROOT / "llama3.1-8b-2x8xH100.yaml").read_text())
     assert w["compute"] == {"accelerator_type": "GPU_8xH100", "num_accelerators": 16}
     assert w["secrets"] == {"HF_TOKEN": "my_scope/hf_token"} and "HF_TOKEN" not in w["env_variables"]
     assert w["env_variables"]["NCCL_SOCKET_IFNAME"] == "eth0"
@@ -110,43 +119,35 @@ def tiny_override(tmp_path, tiny_model_dir, **extra):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_workload_command_runs_with_its_parameters(path, tiny_model_dir, tmp_path):
-    """The command as the platform runs it: once per node, under bash, in a copy of what it uploads at
-    CODE_SOURCE_PATH, with its env_variables and the parameters file. The node setup runs as a dry run (for an
-    H100/H200: no compile, no install; tests/test_node_setup.py) and the job is overridden to a tiny 2-rank CPU
-    run."""
-    w = yaml.safe_load(path.read_text())
-    code = tmp_path / "code_source" / upload_folder(path).name
-    for name in uploaded_files(upload_folder(path)):
-        (code / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(upload_folder(path) / name, code / name)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(w["parameters"]))
+def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_model_dir, tmp_path):
+    """The design card's copy-paste use: the YAML and train.py in an empty folder, its command run as a node runs
+    it (tools/run_workload.py: its env_variables, its parameters file, CODE_SOURCE_PATH at that folder). The node
+    setup runs as a dry run (for an H100/H200: no compile, no install; tests/test_node_setup.py) and the job is
+    overridden to a tiny 2-rank CPU run."""
+    job = tmp_path / "job"
+    job.mkdir()
+    shutil.copy(path, job / path.name)
+    shutil.copy(ROOT / "train.py", job / "train.py")
     env = {
         **os.environ,
-        **w["env_variables"],
         "HF_HOME": str(tmp_path / "hf"),
-        "CODE_SOURCE_PATH": str(code),
-        "HYPERPARAMETERS_PATH": str(tmp_path / "params.yaml"),
-        "NODE_SETUP_DRY_RUN": "1",
         "GPU_ARCH": "90",
         "CUDA_HOME": str(fake_cuda_home(tmp_path)),
         "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
-        "NUM_NODES": "1",
-        "NODE_RANK": "0",
+        "TMPDIR": str(tmp_path),
         "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(train.free_port()),
-        "TRAIN_ARGS": f"--config {tiny_override(tmp_path, tiny_model_dir)}",
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
-    proc = subprocess.run(
-        ["bash", "-c", w["command"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
+    command += ["--", "--config", str(tiny_override(tmp_path, tiny_model_dir))]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
     resolved = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
+    w = yaml.safe_load(path.read_text())
     for key in set(w["parameters"]) - set(yaml.safe_load((tmp_path / "tiny.yaml").read_text())):
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
 

@@ -1,7 +1,8 @@
-"""scripts/setup_node.sh, run for real up to the CUDA compile (NODE_SETUP_DRY_RUN=1): the build-tool check, the
-pinned installs resolved by pip against the package index, the causal-conv1d sdist download and the patch that
-restricts its build to one GPU architecture. Only the compile and the final installs are left out; the whole
-script ran end to end on an H200 (docs/BENCHMARKS.md, "Node setup")."""
+"""The workload YAMLs' node setup, run for real up to the CUDA compile (NODE_SETUP_DRY_RUN=1), through
+tools/run_workload.py as a user's own machine runs it: the build-tool check, the pinned installs resolved by pip
+against the package index, the causal-conv1d sdist download and the patch that restricts its build to one GPU
+architecture. Only the compile and the final installs are left out; the whole setup ran end to end on an H200
+(docs/BENCHMARKS.md, "Node setup"). The pins are the same lines as requirements.txt's."""
 
 import os
 import re
@@ -13,25 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, fake_cuda_home
 from packaging.version import Version
 
-SETUP = ROOT / "scripts" / "setup_node.sh"
+WORKLOADS = sorted(ROOT.glob("*.yaml"))
 VENV_BIN = Path(sys.executable).parent
 
 
-def dry_run(tmp_path: Path, *args: str, **env) -> subprocess.CompletedProcess:
+def dry_run(tmp_path: Path, workload: Path = ROOT / "workload.yaml", **env) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "NODE_SETUP_DRY_RUN": "1",
         "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
         "TMPDIR": str(tmp_path),
         **env,
     }
-    return subprocess.run(
-        [shutil.which("bash"), str(SETUP), *args], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
-    )
+    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(workload), "--setup-only", "--dry-run"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 
 def nvcc_flags(setup_py: Path) -> list[str]:
@@ -77,9 +77,9 @@ def test_a_cached_build_is_installed_without_build_tools(tmp_path):
 
 
 def test_missing_nvcc_is_named_before_anything_is_installed(tmp_path):
-    tools = tmp_path / "bin"  # a PATH with what the script needs up to its check, and no nvcc
+    tools = tmp_path / "bin"  # a PATH with what the setup needs up to its check, and no nvcc
     tools.mkdir()
-    for name in ("dirname", "grep", "ls", "sed", "cat"):
+    for name in ("bash", "grep", "ls", "sed", "cat"):
         (tools / name).symlink_to(shutil.which(name))
     (tools / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a link would lose the venv
     (tools / "python").chmod(0o755)
@@ -93,3 +93,36 @@ def test_missing_nvcc_is_named_before_anything_is_installed(tmp_path):
 def test_no_gpu_and_no_gpu_arch_stops_with_what_to_set(tmp_path):
     proc = dry_run(tmp_path)
     assert proc.returncode != 0 and "set GPU_ARCH" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_dense_model_workload_resolves_only_the_pins(tmp_path):
+    proc = dry_run(tmp_path, ROOT / "llama3.1-8b-2x8xH100.yaml")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run: the pinned packages resolve; nothing installed" in proc.stdout
+    assert "flash-linear-attention" not in proc.stdout and "causal-conv1d" not in proc.stdout
+
+
+def yaml_pins(workload: Path) -> dict:
+    """{package: version} of the pins=... (and pins+=...) lines of a workload's command."""
+    command = yaml.safe_load(workload.read_text())["command"]
+    text = " ".join(re.findall(r'pins\+?="([^"]*)"', command))
+    return dict(pin.split("==") for pin in text.split())
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda p: p.name)
+def test_the_workload_pins_are_requirements_txt(workload):
+    """The node installs what the tests ran with: requirements.txt less torch (a node keeps its image's CUDA
+    torch). A pin changed in one place and not the other fails here."""
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    required = dict(line.split("==") for line in lines if "==" in line and not line.startswith(("#", "torch==")))
+    assert yaml_pins(workload) == required
+
+
+def test_the_kernel_versions_train_py_asks_for_are_the_ones_the_setup_installs():
+    command = yaml.safe_load((ROOT / "workload.yaml").read_text())["command"]
+    source = (ROOT / "train.py").read_text()
+    for package in ("tilelang", "flash-linear-attention"):
+        setup = re.search(rf"{package}==([\d.]+)", command)[1]
+        asked = set(re.findall(rf"pip install {package}==([\d.]+)", source))
+        assert asked <= {setup}, (package, asked, setup)
+    assert "pip install tilelang==" in source

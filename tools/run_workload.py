@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Runs a workload YAML's command on this machine as Databricks AI Runtime runs it on a node, so that your own GPUs
+get the same node setup and launch, from the same lines: the YAML's env_variables exported (a variable your
+environment already sets wins), its parameters written to the file $HYPERPARAMETERS_PATH names, $CODE_SOURCE_PATH
+at its code_source root_path (read in place, not copied), then `bash -c` its command. Secrets (HF_TOKEN) come from
+your environment.
+
+    python tools/run_workload.py workload.yaml                        # set this machine up, then train
+    python tools/run_workload.py workload.yaml --setup-only           # the node setup alone
+    python tools/run_workload.py workload.yaml --setup-only --dry-run # up to the CUDA compile; installs nothing
+    python tools/run_workload.py workload.yaml -- --max_steps 20 --output_dir /data/sft   # train.py flags
+
+The command's torchrun takes NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and LOCAL_WORLD_SIZE from the environment
+(one node of 8 GPUs by default): LOCAL_WORLD_SIZE=4 python tools/run_workload.py workload.yaml.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+
+def code_source_root(workload: dict, path: Path) -> Path:
+    """The folder the platform uploads: code_source's root_path (the flat form, or the legacy nested one), a relative
+    one resolved against the YAML file's folder."""
+    source = workload.get("code_source") or {}
+    root = source.get("root_path") or (source.get("snapshot") or {}).get("root_path")
+    if not root:
+        sys.exit(f"{path}: code_source has no root_path")
+    root = Path(os.path.expanduser(os.path.expandvars(str(root))))
+    return (root if root.is_absolute() else path.parent / root).resolve()
+
+
+def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool, dry_run: bool, train_args) -> dict:
+    """The environment the command runs in."""
+    env = {k: str(v) for k, v in (workload.get("env_variables") or {}).items()} | dict(os.environ)
+    env |= {"CODE_SOURCE_PATH": str(code_source_root(workload, path)), "HYPERPARAMETERS_PATH": str(params_file)}
+    env |= {"SETUP_ONLY": "1"} if setup_only else {}
+    env |= {"NODE_SETUP_DRY_RUN": "1"} if dry_run else {}
+    env |= {"TRAIN_ARGS": " ".join(train_args)} if train_args else {}
+    cache = env.get("WHEEL_CACHE")
+    if cache and not dry_run and "WHEEL_CACHE" not in os.environ and not Path(cache).parent.exists():
+        sys.exit(
+            f"{path} caches the kernels it builds in WHEEL_CACHE={cache}, which is not on this machine: set "
+            "WHEEL_CACHE to a folder of yours (WHEEL_CACHE=~/.cache/sft-wheels)"
+        )
+    for name in workload.get("secrets") or {}:
+        if name not in env:
+            print(f"run_workload: the workload reads the secret {name}; it is not set here", file=sys.stderr)
+    return env
+
+
+def main() -> None:
+    usage = "run_workload.py WORKLOAD [--setup-only] [--dry-run] [-- TRAIN.PY FLAGS]"
+    parser = argparse.ArgumentParser(usage=usage, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("workload", type=Path, help="the workload YAML (workload.yaml)")
+    parser.add_argument("--setup-only", action="store_true", help="stop after the node setup")
+    parser.add_argument("--dry-run", action="store_true", help="node setup up to the CUDA compile, installing nothing")
+    argv = sys.argv[1:]
+    ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(ours)
+    workload = yaml.safe_load(args.workload.read_text())
+    handle, params = tempfile.mkstemp(prefix="hyperparameters-", suffix=".yaml")  # read by the ranks: kept
+    os.write(handle, yaml.safe_dump(workload.get("parameters") or {}).encode())
+    os.close(handle)
+    env = command_env(workload, args.workload, Path(params), args.setup_only, args.dry_run, train_args)
+    sys.stdout.flush()
+    # exec: the command (and the torchrun it execs) is this process, and gets its signals, as on a node.
+    os.execve(shutil.which("bash"), ["bash", "-c", workload["command"]], env)
+
+
+if __name__ == "__main__":
+    main()
