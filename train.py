@@ -904,13 +904,13 @@ class Operation:
 
 
 def training_loop(job: Job, blocks, operations: list[Operation]) -> str:
-    """Steps until total_steps; returns why it stopped: done, exhausted, SIGTERM (any rank) or diverged."""
+    """Steps until total_steps; returns why it ended: done, exhausted, stopped (SIGTERM, any rank) or diverged."""
     cfg, progress = job.cfg, job.progress
     data = progress.blocks_of(blocks, cfg.num_workers)
     job.model.train()
     while progress.step < job.total_steps:
-        if sigterm_on_any_rank(job.d):  # before the step takes its blocks: a checkpoint resumes there
-            return "SIGTERM"
+        if stop_requested(job.d):  # before the step takes its blocks: a checkpoint resumes there
+            return "stopped"
         waiting = time.perf_counter()
         step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
         stats = train_step(job, step_blocks, data_wait_s=time.perf_counter() - waiting)
@@ -1983,8 +1983,8 @@ class Interrupted(Exception):
     """SIGTERM reached a rank: raised on all once the checkpoint is complete; main() exits 128 + SIGTERM."""
 
 
-def sigterm_on_any_rank(d: Dist) -> bool:
-    """Whether any rank got SIGTERM: the same answer on every rank."""
+def stop_requested(d: Dist) -> bool:
+    """Whether any rank got SIGTERM (the loop then stops): the same answer on every rank."""
     stop = torch.tensor(float(STOP.is_set()), device=d.device)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)
     return bool(stop)
@@ -2015,18 +2015,18 @@ def leave_process_group(worker_id: int) -> None:
 def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
     """After the loop: each operation's at_end, then the ends that are errors: no step, SIGTERM, a diverged run."""
     cfg, d, step = job.cfg, job.d, job.progress.step
-    if why == "SIGTERM":
+    if why == "stopped":
         print0(d.rank, f"SIGTERM: stopping after step {step}, once its checkpoint is written")
     elif why == "exhausted":
         print0(d.rank, f"data exhausted on every rank after {step} of {job.total_steps} steps")
-    if step == 0 and why == "SIGTERM":
+    if step == 0 and why == "stopped":
         raise Interrupted("stopped by SIGTERM before the first step")
     if step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
         seen = dict(job.progress.stream_counts())
         raise UserError(f"no step was trained: the data holds nothing to learn from (rank {d.rank}: {seen})")
     for operation in operations:
         operation.at_end(job, why)
-    if why == "SIGTERM":
+    if why == "stopped":
         raise Interrupted(f"stopped by SIGTERM after step {step}; the newest checkpoint is {newest_checkpoint(cfg)}")
     if why == "diverged":
         raise UserError(
