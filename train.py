@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -50,10 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import transformers
 import yaml
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -73,8 +71,7 @@ class UserError(ValueError):
 
 
 def setting(default, doc: str, resumable: bool = False):
-    """A Config field; a resumed run may change it only if resumable (the data positions, schedule or optimizer do
-    not depend on it)."""
+    """A Config field; only a resumable one may change on resume (the data, schedule or optimizer don't need it)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "resumable": resumable})
 
 
@@ -92,11 +89,11 @@ class Config:
     tokenizer_name: str = setting("", "tokenizer (and chat template) to use; empty: model_name's")
     trust_remote_code: bool = resumable(False, "run Python code a hub repo ships (repos you trust)")
     init: str = setting("pretrained", "pretrained weights, or random (benchmarks)")
-    attn_implementation: str = resumable("auto", "auto, flash_attention_2, torch_varlen, sdpa or eager")
-    master_dtype: str = setting("float32", "weights and AdamW state: float32, or bfloat16 (the seed's, half the size)")
-    param_dtype: str = resumable("bfloat16", "compute dtype of FSDP's all-gathered parameters (or float32)")
-    reduce_dtype: str = resumable("float32", "dtype gradients are reduce-scattered over ranks in (or bfloat16)")
-    activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed; auto: measured on GPUs")
+    attn_implementation: str = resumable("auto", "attention kernel")
+    master_dtype: str = setting("float32", "weights and AdamW state; bfloat16 halves them (the seed's)")
+    param_dtype: str = resumable("bfloat16", "compute dtype of FSDP's all-gathered parameters")
+    reduce_dtype: str = resumable("float32", "dtype gradients are reduce-scattered over ranks in")
+    activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed, or auto (measured)")
     compile: bool = resumable(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)")
     float8: bool = resumable(False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)")
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
@@ -105,27 +102,27 @@ class Config:
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
     messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
     tools_column: str = setting("tools", "column holding the tool definitions the chat template is given, if any")
-    reasoning: str = setting("train", "assistant reasoning: train (with its answer) or drop")
+    reasoning: str = setting("train", "assistant reasoning: trained with its answer, or dropped")
     eval_split: str = resumable("", "held-out split of dataset_name, or a local file; empty: none")
     eval_fraction: float = setting(0.0, "share in [0, 1] of the records held out (seeded), never trained, for eval")
     eval_blocks: int = resumable(8, "eval blocks per rank")
-    max_seq_len: int = setting(32768, "tokens per packed block (>= 16)")
+    max_seq_len: int = setting(32768, "tokens per packed block")
     pack_buffer_blocks: int = setting(64, "best-fit decreasing packs this many blocks' worth at a time")
     num_workers: int = setting(1, "DataLoader worker processes per rank (0: pack in the training process)")
-    max_skip_fraction: float = resumable(0.2, "stop when more records than this share are skipped")
+    max_skip_fraction: float = resumable(0.2, "stop when more records than this share (in [0, 1]) are skipped")
     # Optimisation. One optimizer step = gradient_accumulation_steps blocks on every rank.
-    learning_rate: float = setting(1e-5, "peak learning rate")
-    adam_beta1: float = setting(0.9, "AdamW beta1")
-    adam_beta2: float = setting(0.95, "AdamW beta2")
+    learning_rate: float = setting(1e-5, "peak learning rate (> 0, finite)")
+    adam_beta1: float = setting(0.9, "AdamW beta1, in [0, 1)")
+    adam_beta2: float = setting(0.95, "AdamW beta2, in [0, 1)")
     weight_decay: float = setting(0.0, "AdamW weight decay (weight matrices only)")
-    max_grad_norm: float = resumable(1.0, "gradient clipping norm")
+    max_grad_norm: float = resumable(1.0, "gradient clipping norm (> 0)")
     max_bad_steps: int = resumable(5, "stop after this many non-finite steps in a row")
     gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step")
     epochs: int = setting(1, "passes over the data")
     max_steps: int = resumable(0, "> 0: stop after this many steps, no counting pass")
     warmup_steps: int = setting(10, "linear warmup steps")
-    lr_schedule: str = setting("cosine", "decay after warmup: cosine, linear or constant")
-    min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio")
+    lr_schedule: str = setting("cosine", "decay after warmup")
+    min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio, in [0, 1]")
     loss_chunk_tokens: int = resumable(4096, "loss tokens per LM-head chunk")
     # Output: checkpoints/step_N (sharded, resumable), model/ (the consolidated Hugging Face export), metrics.jsonl
     output_dir: str = resumable("outputs/sft", "checkpoints, model/, metrics.jsonl; resumed from")
@@ -155,9 +152,8 @@ class Dist:
 
 def setup_distributed() -> Dist:
     """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one on a free port."""
-    launched = "WORLD_SIZE" in os.environ
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launched, env = "WORLD_SIZE" in os.environ, os.environ.get
+    rank, local_rank, world_size = int(env("RANK", "0")), int(env("LOCAL_RANK", "0")), int(env("WORLD_SIZE", "1"))
     # Expandable segments however it is launched (docs/BENCHMARKS.md: stalls without); a user's own setting wins.
     if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
@@ -181,10 +177,6 @@ def print0(rank: int, *args, file=None) -> None:
 
 
 # ---- Data: read this rank's shard, render and mask each conversation, pack whole conversations into blocks -------
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
 def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, start: int, skips: Counter):
     """(index, record) of shard i % num_shards from `start` on: every shard reads the stream, so any source splits."""
     path = Path(source)
@@ -271,7 +263,7 @@ def check_conversation(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise Skip("messages not a non-empty list")
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise Skip("unknown role")
         if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
             raise Skip("empty or non-string content")  # a tool-call turn may have no text
@@ -556,6 +548,8 @@ def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, 
 
 
 def load_tokenizer(cfg: Config):
+    import transformers  # here and below imported where used: it reads HF_HOME and HF_HUB_OFFLINE when imported
+
     name = cfg.tokenizer_name or cfg.model_name
     revision = (cfg.model_revision or None) if not cfg.tokenizer_name and not Path(name).exists() else None
     load = partial(
@@ -591,6 +585,8 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 
 def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
     """The model's config, its cache off."""
+    import transformers
+
     revision = revision if not Path(name).exists() else ""
     load = partial(
         transformers.AutoConfig.from_pretrained, name, revision=revision or None, trust_remote_code=trust_remote_code
@@ -610,6 +606,8 @@ def recompute_share(value: str) -> float | None:
 def build_model(config, cfg: Config, attn: str, device: torch.device):
     """The model, sharded: built on the meta device, activation checkpointing, fully_shard each decoder layer then the
     root, each rank's shards allocated; kept in master_dtype, computed in param_dtype."""
+    import transformers
+
     image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping
     model_class = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
     kwargs = dict(
@@ -863,8 +861,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     tokens over all ranks), and FSDP's average over ranks cancels world_size. A NaN or inf anywhere reaches every rank's
     gradient norm: all skip the same steps."""
     cfg, d, progress, optimizer = job.cfg, job.d, job.progress, job.optimizer
-    stats = global_counts(blocks, d)
-    stats.data_wait_s = data_wait_s
+    stats = dataclasses.replace(global_counts(blocks, d), data_wait_s=data_wait_s)
     if stats.max_blocks == 0:
         return stats
     assert stats.loss_tokens > 0, "every block has loss tokens (tokenize_stream keeps only samples that do)"
@@ -958,7 +955,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         with stop_on_sigterm():
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
-            operations = [log, checkpoints, evaluator, probe]
+            operations = [log, probe, checkpoints, evaluator]  # the probe reads step 2's peak before a save or eval
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
@@ -1084,8 +1081,10 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (after $HYPERPARAMETERS_PATH's)")
     group = parser.add_argument_group("settings (flags win over files; non-string values are read as YAML: 2e-5, true)")
     for f in dataclasses.fields(Config):
+        need = f"; one of {', '.join(CHOICES[f.name])}" if f.name in CHOICES else ""
+        need = f"; >= {LOWEST[f.name]}" if f.name in LOWEST else need
         resume = "; may change on resume" if f.metadata["resumable"] else ""
-        doc = f"{f.metadata['doc']} (default: {f.default!r}{resume})".replace("%", "%%")
+        doc = f"{f.metadata['doc']} (default: {f.default!r}{need}{resume})".replace("%", "%%")
         parse = str if isinstance(f.default, str) else yaml.safe_load
         kind = type(f.default).__name__.upper()
         group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
@@ -1198,7 +1197,9 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     if requested == "torch_varlen":
         if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
             raise UserError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
-        transformers.AttentionInterface.register("torch_varlen", torch_varlen_attention)
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("torch_varlen", torch_varlen_attention)
     return requested
 
 
@@ -1267,6 +1268,8 @@ def check_data(cfg: Config, part: str) -> None:
 
 def from_hub(load, name: str):
     """Runs a hub load; a gated or private repo without a token becomes an error that says what to do."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
     try:
         return load()
     except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
@@ -1286,6 +1289,8 @@ def pretrained_dir(cfg: Config) -> Path:
     if not path.is_dir():
         patterns = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
         revision = cfg.model_revision or None
+        from huggingface_hub import snapshot_download
+
         download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
         path = Path(from_hub(download, cfg.model_name))
     if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
@@ -1314,7 +1319,7 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
         f"peak host memory {rss_gib():.1f} GiB on rank 0\n"
         f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
         f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
-        f"transformers {transformers.__version__}"
+        f"transformers {importlib.metadata.version('transformers')}"
     )
 
 
@@ -1526,7 +1531,7 @@ class Checkpointer(Operation, AsyncStager):
 
     def save(self) -> None:
         if self.log:
-            self.log.end_window(self.job)
+            self.log.flush(self.job)  # a checkpoint holds no open window
         self.finish()  # the write in flight, if any
         job, d, progress = self.job, self.job.d, self.job.progress
         t0, path = time.perf_counter(), Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
@@ -1643,9 +1648,6 @@ class RecomputeProbe(Operation):
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
-        # The measured step runs without early stop, which ends a recomputation before the layer's forward returns.
-        self.measuring = contextlib.ExitStack()
-        self.measuring.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
 
     def checkpoint(self, i: int, checkpoint_func, forward, *args):
         def measured(*args):
@@ -1660,7 +1662,9 @@ class RecomputeProbe(Operation):
             self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
-        return checkpoint_func(measured, *args)
+        # Without early stop, which ends a recomputation before the forward returns (read per call: nothing outlives it)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return checkpoint_func(measured, *args)
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         """Step 1 measures, step 2 decides, then it watches; only steps that stepped the optimizer count."""
@@ -1673,14 +1677,10 @@ class RecomputeProbe(Operation):
         else:
             self.watching = not self.watch()
 
-    def at_end(self, job: Job, why: str) -> None:
-        self.measuring.close()
-
     def measured(self) -> None:
         torch.cuda.synchronize()
         for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
             layer._gradient_checkpointing_func = checkpoint_func
-        self.measuring.close()
         self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
         torch.cuda.reset_peak_memory_stats()  # the baseline's peak starts here, after step 1's log line read its own
 
@@ -1803,15 +1803,12 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
 
     def at_end(self, job: Job, why: str) -> None:
         if why != "diverged":
-            self.end_window(job)
-
-    def end_window(self, job: Job) -> None:
-        """The line of the steps since the last one, if any."""
-        if self.window["steps"]:
             self.flush(job)
 
     def flush(self, job: Job) -> None:
-        """Logs the window's line, checks the share of skipped records, starts afresh."""
+        """Logs the line of the steps since the last one, if any; checks the share of skipped records."""
+        if not self.window["steps"]:
+            return
         data = job.progress.stream_counts()
         reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
         skipped = sum(reasons.values())
@@ -1937,8 +1934,7 @@ class RunLock(contextlib.AbstractContextManager):
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             holder = None
         if holder:
-            # Our own pid there: a container restarted under its old one.
-            pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))
+            pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))  # own pid: a restart
             if not pid_gone and age < self.STALE_S:
                 raise UserError(
                     f"output_dir {self.path.parent} is in use by another run (host {host}, pid {pid}, started "
@@ -2044,9 +2040,10 @@ chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spie
 
 def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
     """eos_token_id gains the template's end-of-turn token: generate() stops where the model learned to."""
+    from transformers import GenerationConfig
+
     saved = (out / "generation_config.json").exists()
-    config = transformers.GenerationConfig.from_pretrained(out) if saved else None
-    config = config or transformers.GenerationConfig.from_model_config(model_config)
+    config = GenerationConfig.from_pretrained(out) if saved else GenerationConfig.from_model_config(model_config)
     eos = {*(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])}
     with contextlib.suppress(Skip):  # the last token of an assistant turn's loss span is its end-of-turn token
         turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

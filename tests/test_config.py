@@ -134,9 +134,9 @@ def test_help_lists_every_setting_from_its_field(flag):
     text = " ".join(proc.stdout.split())  # argparse wraps the help to the terminal's width
     for f in dataclasses.fields(train.Config):
         assert f"--{f.name} {type(f.default).__name__.upper()} {f.metadata['doc']}" in text, f.name
-    assert "tokens per packed block (>= 16) (default: 32768)" in text  # a setting fixed on resume says nothing more
-    assert "steps per log line (also logged at every checkpoint) (default: 10; may change on resume)" in text
-    assert "--attn_implementation STR auto, flash_attention_2, torch_varlen, sdpa or eager (default: 'auto';" in text
+    assert "tokens per packed block (default: 32768; >= 16)" in text  # the check's bound, from check_settings
+    assert "steps per log line (also logged at every checkpoint) (default: 10; >= 1; may change on resume)" in text
+    assert "(default: 'auto'; one of auto, flash_attention_2, torch_varlen, sdpa, eager; may change on resume)" in text
 
 
 def test_activation_checkpointing_is_auto_or_a_share_from_any_source(tmp_path, monkeypatch):
