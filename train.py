@@ -809,7 +809,7 @@ class Job:
     total_steps: int
     progress: Progress
     filler: dict  # the block of a rank whose data has run out
-    step_hook: object = None  # f(step, model, loss_sum) -> a replacement loss_sum or None, after each backward
+    step_hook: object = None  # f(step, model, loss_sum, blocks) -> a new loss_sum or None, after each backward
 
 
 @dataclass
@@ -868,7 +868,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     scale = d.world_size / stats.loss_tokens
     loss_sum = run_blocks(job.model, blocks, stats.max_blocks, job.filler, cfg, d, scale)
     if job.step_hook:
-        replaced = job.step_hook(progress.step + 1, job.model, loss_sum)
+        replaced = job.step_hook(progress.step + 1, job.model, loss_sum, blocks)
         loss_sum = loss_sum if replaced is None else replaced
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -965,7 +965,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
 
 def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
     """The whole job in this rank's process, from main() or a notebook's @distributed function. config: a Config, a dict
-    or a YAML path; step_hook(step, model, loss_sum) runs after each backward and may replace the loss sum."""
+    or a YAML path; step_hook(step, model, loss_sum, blocks) runs after each backward (blocks: this rank's) and
+    may replace the loss sum."""
     if isinstance(config, (str, Path)):
         config = load_config(yaml_source(config, "train()"))
     elif not isinstance(config, Config):

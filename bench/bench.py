@@ -120,9 +120,9 @@ def cmd_ours(args) -> None:
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 
-    def hook(step, model, loss_sum):
+    def hook(step, model, loss_sum, blocks):
         for each in hooks:
-            each(step, model, loss_sum)
+            each(step, model, loss_sum, blocks)
 
     result = train.train(train.load_config(("bench", config), ("--set", overrides)), step_hook=hook)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -134,7 +134,7 @@ def free_saved_shards(out: str):
     as an upload elsewhere would free them, so that a run can save twice on a disk that holds one checkpoint (the
     2-GPU machine's 128 GiB and the 8-layer geometry's 69 GB). Those checkpoints can no longer be resumed from."""
 
-    def hook(step, model, loss_sum):
+    def hook(step, model, loss_sum, blocks):
         if int(os.environ.get("RANK", "0")) == 0:
             for shard in Path(out).glob("checkpoints/step_*/*.distcp"):
                 if (shard.parent / "complete.json").exists():
@@ -168,7 +168,7 @@ def profile_two_steps(first: int, out: Path):
 
     state = {}
 
-    def hook(step, model, loss_sum):
+    def hook(step, model, loss_sum, blocks):
         if int(os.environ.get("RANK", "0")) != 0:
             return
         if step == first:

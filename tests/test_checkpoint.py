@@ -1,5 +1,6 @@
 """Sharded loading, the Hugging Face export, and resume after a SIGKILL, on 2 CPU ranks under torchrun."""
 
+import itertools
 import json
 import os
 import re
@@ -152,14 +153,46 @@ def test_resume_after_sigkill_trains_the_same_data_to_bit_identical_weights(tiny
     kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert len(kept) == 2 and first_checkpoint not in kept  # keep_checkpoints: 2
 
-    # The export is the trained model: its logits equal the FSDP model's, loaded from the final checkpoint.
+
+@pytest.mark.distributed
+def test_the_export_after_training_is_the_trained_model_tensor_by_tensor(tiny_model_dir, straight, tmp_path):
+    """Every exported tensor equals the final checkpoint's weights (read back by DCP alone, no train.py), each
+    differs from the source checkpoint's, so none was copied untrained, and the reloaded model's logits are the
+    FSDP model's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _, straight = straight
     final = sorted((straight / "checkpoints").iterdir())[-1]
+    dcp_to_torch_save(final, tmp_path / "final.pt")
+    trained = torch.load(tmp_path / "final.pt")["model"]
+    exported, source = tensors(straight / "model"), tensors(tiny_model_dir)
+    assert exported.keys() == source.keys() == trained.keys()
+    for name, t in exported.items():
+        assert t.dtype == source[name].dtype and torch.equal(t, trained[name].to(t.dtype)), name
+        assert not torch.equal(t, source[name]), f"{name} was exported untrained"
     torchrun(WORKERS / "export_worker.py", straight / "model", tmp_path / "check", final)
     got = torch.load(tmp_path / "check/fsdp.pt")
     reloaded = AutoModelForCausalLM.from_pretrained(straight / "model", dtype=torch.float32)
     with torch.no_grad():
         logits = reloaded(input_ids=got["input_ids"], use_cache=False).logits
     assert torch.allclose(logits, got["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stream_stopped_after_an_odd_number_of_blocks_resumes_on_the_same_blocks(tokenizer):
+    """Two DataLoader workers take turns, so three blocks leave the turn with worker slot 1: a resumed loader must
+    start there (Progress.next_slot), and then the stream goes on with exactly the blocks an unbroken one yields."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=2)
+
+    def blocks(progress, resume=None, n=None):
+        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
+        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+
+    whole = blocks(train.Progress())
+    stopped = train.Progress()
+    first = blocks(stopped, n=3)
+    assert stopped.next_slot == 1 and len(whole) > 6
+    rest = blocks(train.Progress(), resume=stopped)
+    assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
 
 
 @pytest.mark.distributed
@@ -417,6 +450,11 @@ def test_the_export_of_a_base_model_trained_with_a_chat_tokenizer_stops_at_the_e
     base_tok.save_pretrained(base)
     (base / "chat_template.jinja").unlink(missing_ok=True)
     GenerationConfig(eos_token_id=base_tok.eos_token_id).save_pretrained(base)
+    # The chat tokenizer's own eos is not its end-of-turn token either (as Llama 3.1's <|end_of_text|>): only the
+    # template's end of turn, which the masks trained, can stop generation.
+    chat_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat_tok.eos_token = "<|endoftext|>"
+    chat_tok.save_pretrained(tmp_path / "chat")
     data = tmp_path / "short.jsonl"
     with open(data, "w") as f:
         for i in range(64):
@@ -425,7 +463,7 @@ def test_the_export_of_a_base_model_trained_with_a_chat_tokenizer_stops_at_the_e
     job = write_tiny_job(
         tmp_path / "job.yaml",
         base,
-        tokenizer_name=str(tiny_model_dir),
+        tokenizer_name=str(tmp_path / "chat"),
         dataset_name=str(data),
         max_seq_len=256,
         epochs=8,
@@ -438,7 +476,7 @@ def test_the_export_of_a_base_model_trained_with_a_chat_tokenizer_stops_at_the_e
     out = tmp_path / "out/model"
     tok = AutoTokenizer.from_pretrained(out)
     end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
-    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    assert tok.chat_template and tok.eos_token == "<|endoftext|>"  # the tokenizer trained with, not the base's
     assert end_of_turn in GenerationConfig.from_pretrained(out).eos_token_id
     conversation = [{"role": "user", "content": "say ok 3"}, {"role": "assistant", "content": "ok"}]
     text = tok.apply_chat_template(conversation, tokenize=False)

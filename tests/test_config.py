@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import subprocess
 import sys
 
@@ -102,8 +103,13 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert factors[:4] == [0.2, 0.4, 0.6, 0.8] and factors[4] == 1.0
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
     assert train.lr_factor(20, cfg, 20) == pytest.approx(0.1)
+    # The cosine at a quarter of the decay (step 8: 4 of 16 steps), not a straight line: 0.868 where linear is 0.775.
+    assert train.lr_factor(8, cfg, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), abs=1e-12)
+    assert train.lr_factor(16, cfg, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.75)), abs=1e-12)
     linear = train.Config(warmup_steps=0, min_lr_ratio=0.0, lr_schedule="linear")
-    assert train.lr_factor(5, linear, 10) == pytest.approx(0.5)
+    assert [train.lr_factor(s, linear, 10) for s in (0, 5, 8)] == pytest.approx([1.0, 0.5, 0.2], abs=1e-12)
+    constant = train.Config(warmup_steps=2, lr_schedule="constant")
+    assert [train.lr_factor(s, constant, 10) for s in (0, 1, 2, 9)] == pytest.approx([1 / 3, 2 / 3, 1, 1], abs=1e-12)
 
 
 def test_a_config_built_in_code_is_checked_like_one_from_a_file():

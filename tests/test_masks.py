@@ -103,6 +103,17 @@ def test_content_the_template_rewrites_is_skipped_not_guessed(tokenizer):
     assert loss_runs(tokenizer, ids, mask) == ["<think>add</think>4<|im_end|>"]
 
 
+def test_text_the_template_adds_after_the_last_content_is_checked_too(tokenizer):
+    """A rendering must be the skeleton with the contents put back, to its end: text that depends on a content and
+    comes after the last one (here a marker for long answers) skips the conversation too."""
+    tail = CHATML + "{% if messages[-1].content | length > 20 %}<|im_start|>long<|im_end|>{% endif %}"
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four, as two and two make."}]
+    masker = train.AssistantMasker(with_template(tokenizer, tail))
+    assert skip_reason(lambda: masker(messages)) == "template renders content-dependently"
+    ids, mask = masker(messages[:1] + [{"role": "assistant", "content": "Four."}])  # short: the same skeleton
+    assert loss_runs(tokenizer, ids, mask) == ["Four.<|im_end|>"]
+
+
 def test_span_that_does_not_start_on_a_token_boundary_is_skipped(tokenizer):
     # "assistant: Four" -> byte-level BPE merges the space into " Four": the span would start mid-token.
     template = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"

@@ -121,19 +121,22 @@ def test_packing_leaks_with_the_cache_on(model, examples, tokenizer):
     assert max_rel_err(plain_losses(model, block, use_cache=True), alone) > 1e-2
 
 
-def test_chunked_loss_equals_plain_cross_entropy_values_and_gradients(model, examples, tokenizer):
+def test_every_signal_that_keeps_packed_conversations_apart_reaches_the_model(model, examples, tokenizer):
+    """What token_losses hands the decoder for a packed block: position_ids (sdpa's block mask, rotary positions),
+    cu_seq_lens_* and max_length_* (varlen attention, the gated delta rule), seq_idx (causal-conv1d), the cache
+    off. The CPU model reads position_ids only; the hybrids' kernels read the rest (tests/test_gpu.py)."""
     block = packed_block(examples, tokenizer.pad_token_id)
-    model.zero_grad()
-    chunked = train.token_losses(model, block, chunk_tokens=7)
-    chunked.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    plain = plain_losses(model, block)
-    plain.sum().backward()
-    assert torch.allclose(chunked, plain, rtol=1e-5, atol=1e-6)
-    for name, p in model.named_parameters():
-        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm(), name
-    model.zero_grad()
+    seen = {}
+    hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    try:
+        train.token_losses(model, block)
+    finally:
+        hook.remove()
+    for name, key in [("position_ids", "position_ids"), ("seq_idx", "seq_idx")]:
+        assert torch.equal(seen[name], block[key]), name
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        assert torch.equal(seen[name], block["cu_seqlens"]) and seen[name].dtype == torch.int32, name
+    assert seen["max_length_q"] == seen["max_length_k"] == block["max_length"] and seen["use_cache"] is False
 
 
 def test_block_without_loss_tokens_gives_zero_loss_and_gradient(model, tokenizer):

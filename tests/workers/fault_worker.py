@@ -26,7 +26,7 @@ job, fault = sys.argv[1:3]
 rank = int(os.environ["RANK"])
 
 
-def inject(step, model, loss_sum):
+def inject(step, model, loss_sum, blocks):
     """train()'s step hook: runs after each step's backward, before clipping."""
     if fault == f"kill-at-{step}":
         os.kill(os.getpid(), signal.SIGKILL)
