@@ -937,8 +937,10 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
-    computed = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
-    source_dtypes = checkpoint_dtypes(source) if cfg.init == "pretrained" else computed
+    if cfg.init == "pretrained":
+        source_dtypes = checkpoint_dtypes(source)
+    else:
+        source_dtypes = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
     optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
@@ -1032,9 +1034,10 @@ def check_settings(cfg: Config) -> None:
             need = "> 0"
         elif key == "activation_checkpointing" and value != "auto":
             try:
-                need = None if 0 <= float(value) <= 1 else "auto, or a share in [0, 1]"
+                share = recompute_share(value)
             except ValueError:
-                need = "auto, or a share in [0, 1]"
+                share = math.nan  # not a number
+            need = None if 0 <= share <= 1 else "auto, or a share in [0, 1]"
         if need:
             raise UserError(f"bad configuration: {key} must be {need}, got {value!r}")
     if cfg.eval_split and cfg.eval_fraction:
