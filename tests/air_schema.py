@@ -7,9 +7,10 @@ comments), and duplicate keys (a yaml.v3 error) cannot be seen in a dict.
 """
 
 import json
-import os
 import re
 from pathlib import Path
+
+from run_workload import resolve_root_path  # tools/: the tool resolves root_path as the CLI does
 
 ACCELERATORS: dict[str, int] = {"GPU_1xA10": 1, "GPU_1xH100": 1, "GPU_8xH100": 8, "GPU_8xB300": 8}
 PRIORITY_CLASSES = ("BEST_EFFORT", "NORMAL", "CRITICAL")
@@ -35,7 +36,6 @@ UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-
 UC_IMAGE = re.compile(r"[^.:\s]+\.[^.:\s]+\.[^.:\s]+:[^:\s]+", re.ASCII)
 CONTAINER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,15}")
 SECRET_TEMPLATE = re.compile(r"\{\{secrets/[^/{}]+/[^/{}]+\}\}")
-ENV_REF = re.compile(r"\$(?:\{([^}]*)\}|([*#$@!?0-9-]|[A-Za-z_][A-Za-z0-9_]*))")  # os.ExpandEnv's syntax
 q = json.dumps  # close to Go's %q
 
 
@@ -255,24 +255,9 @@ def _code_source(c, cs, yaml_dir):
     # Go checks this at upload (uploadSnapshot -> resolveRootPath), after validate(). Its launch-time git checks
     # (a repository, the commit present locally, a clean tree for a branch) are not mirrored.
     if root.strip():
-        path = _resolve_root(root, yaml_dir)
+        path = resolve_root_path(root, yaml_dir)
         if not path.is_dir():
             c.err(f"root_path must be a directory: {path}" if path.exists() else f"root_path does not exist: {path}")
-
-
-def _resolve_root(raw, config_dir) -> Path:
-    """resolveRootPath: os.ExpandEnv (unset -> ""), `~`/`~/` from $HOME, a leading project_root/ stripped, relative
-    paths joined to the config's folder, then filepath.Abs (lexical; symlinks are not resolved)."""
-
-    def join(a, b):  # filepath.Join: joins and cleans; a leading "/" in b does not restart the path
-        return os.path.normpath(f"{a}/{b}")
-
-    s = ENV_REF.sub(lambda m: os.environ.get(m.group(1) if m.group(1) is not None else m.group(2), ""), raw)
-    if (home := os.environ.get("HOME")) and (s == "~" or s.startswith("~/")):
-        s = join(home, s[2:])
-    if s.startswith("project_root/") or not os.path.isabs(s):
-        s = join(config_dir, s.removeprefix("project_root/"))
-    return Path(os.path.abspath(s))
 
 
 def code_source_root(doc: dict, yaml_path: Path) -> Path:
@@ -281,4 +266,4 @@ def code_source_root(doc: dict, yaml_path: Path) -> Path:
     root = block[0].get("root_path") if block and isinstance(block[0], dict) else None
     if root is None or not str(root).strip():
         raise ValueError("config has no code_source root_path")
-    return _resolve_root(str(root), Path(yaml_path).parent)
+    return resolve_root_path(str(root), Path(yaml_path).parent)

@@ -16,6 +16,7 @@ The command's torchrun takes NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and 
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -23,16 +24,32 @@ from pathlib import Path
 
 import yaml
 
+ENV_REF = re.compile(r"\$(?:\{([^}]*)\}|([*#$@!?0-9-]|[A-Za-z_][A-Za-z0-9_]*))")  # Go's os.ExpandEnv syntax
+
+
+def resolve_root_path(raw: str, yaml_dir: Path) -> Path:
+    """root_path as `databricks air run` resolves it (resolveRootPath): $VARS expanded (an unset one to ""), `~`
+    from $HOME, a leading project_root/ stripped, a relative path joined to the YAML's folder, made absolute
+    lexically (symlinks kept)."""
+
+    def join(a, b):  # Go's filepath.Join: joins and cleans; a leading "/" in b does not restart the path
+        return os.path.normpath(f"{a}/{b}")
+
+    s = ENV_REF.sub(lambda m: os.environ.get(m.group(1) if m.group(1) is not None else m.group(2), ""), raw)
+    if (home := os.environ.get("HOME")) and (s == "~" or s.startswith("~/")):
+        s = join(home, s[2:])
+    if s.startswith("project_root/") or not os.path.isabs(s):
+        s = join(yaml_dir, s.removeprefix("project_root/"))
+    return Path(os.path.abspath(s))
+
 
 def code_source_root(workload: dict, path: Path) -> Path:
-    """The folder the platform uploads: code_source's root_path (the flat form, or the legacy nested one), a relative
-    one resolved against the YAML file's folder."""
+    """The folder the platform uploads: code_source's root_path (the flat form, or the legacy nested one)."""
     source = workload.get("code_source") or {}
     root = source.get("root_path") or (source.get("snapshot") or {}).get("root_path")
     if not root:
         sys.exit(f"{path}: code_source has no root_path")
-    root = Path(os.path.expanduser(os.path.expandvars(str(root))))
-    return (root if root.is_absolute() else path.parent / root).resolve()
+    return resolve_root_path(str(root), path.parent)
 
 
 def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool, dry_run: bool, train_args) -> dict:
