@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import faulthandler
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -130,6 +131,7 @@ class Config:
     save_every_minutes: float = resumable(0.0, "also save this long after the last save; 0: off")
     async_save: bool = resumable(True, "write checkpoints in the background (host memory holds a copy)")
     keep_checkpoints: int = resumable(2, "complete checkpoints kept")
+    collective_timeout_s: float = resumable(300.0, "after the first step, a collective waiting this long ends the run")
     export: bool = resumable(True, "write output_dir/model, the Hugging Face checkpoint, at the end")
     log_every: int = resumable(10, "steps per log line (also logged at every checkpoint)")
     eval_every: int = resumable(0, "steps per eval; 0: only at the end (with eval data)")
@@ -142,6 +144,9 @@ class Config:
 
 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
+STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
+
+
 @dataclass
 class Dist:
     rank: int
@@ -150,7 +155,7 @@ class Dist:
     owns_group: bool  # the process group was created here, so it is destroyed here
 
 
-def setup_distributed() -> Dist:
+def setup_distributed(output_dir: str = "outputs") -> Dist:
     """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one on a free port."""
     launched, env = "WORLD_SIZE" in os.environ, os.environ.get
     rank, local_rank, world_size = int(env("RANK", "0")), int(env("LOCAL_RANK", "0")), int(env("WORLD_SIZE", "1"))
@@ -163,12 +168,37 @@ def setup_distributed() -> Dist:
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        alone = {} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+        how = {"store": attempt_store(world_size)} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
         device_id = device if backend == "nccl" else None
-        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device_id, **alone)
+        if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
+            nccl = dict(
+                TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1"
+            )
+            for key, value in (nccl | {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}).items():
+                os.environ.setdefault(key, value)  # a user's own setting wins
+            with contextlib.suppress(OSError):  # check_output_dir says it in one line
+                Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        dist.init_process_group(
+            backend, timeout=STARTUP_TIMEOUT, device_id=device_id, rank=rank, world_size=world_size, **how
+        )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         exit_with_launcher()
     return Dist(rank, world_size, device, owns_group)
+
+
+def attempt_store(world_size: int):
+    """torchrun's store under this attempt's keys: it outlives a restart of the workers, and a restarted rank would
+    read the failed attempt's addresses (torch's env:// does not keep attempts apart). None: rank 0 hosts a new one."""
+    env = os.environ.get
+    if env("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(env("TORCHELASTIC_MAX_RESTARTS", "0")) and world_size > int(env("LOCAL_WORLD_SIZE", world_size)):
+        raise UserError(  # each node counts its own restarts: their keys would differ
+            "torchrun --max-restarts over several nodes needs a new store per attempt: --rdzv-backend c10d with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (as the workloads' torchrun)"
+        )
+    store = dist.TCPStore(env("MASTER_ADDR"), int(env("MASTER_PORT")), world_size, False, timeout=STARTUP_TIMEOUT)
+    return dist.PrefixStore(f"attempt_{env('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def print0(rank: int, *args, file=None) -> None:
@@ -957,7 +987,9 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         with stop_on_sigterm():
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
-            operations = [log, probe, checkpoints, evaluator]  # the probe reads step 2's peak before a save or eval
+            # First the watch, whose at_end gives the final save, eval and export the long timeout; the probe reads
+            # step 2's peak before a save or eval.
+            operations = [HangWatch(job), log, probe, checkpoints, evaluator]
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
@@ -973,10 +1005,14 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         config = load_config(yaml_source(config, "train()"))
     elif not isinstance(config, Config):
         config = load_config(("train()", config or {}))
-    d = setup_distributed()
+    d = setup_distributed(config.output_dir)
     try:
         with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
             return run(config, d, step_hook)
+    except Exception as e:  # under torchrun, a fault (or a bug) also says what comes next
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, (UserError, Interrupted)):
+            print(after_a_fault(e, config, d), file=sys.stderr, flush=True)
+        raise
     finally:
         if d.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -1000,7 +1036,7 @@ CHOICES |= dict(attn_implementation=("auto", "flash_attention_2", "torch_varlen"
 CHOICES |= dict.fromkeys(("master_dtype", "param_dtype", "reduce_dtype"), ("bfloat16", "float32"))
 LOWEST = dict(max_seq_len=16, save_every=-1, num_workers=0, weight_decay=0, max_steps=0, warmup_steps=0, eval_every=0)
 LOWEST |= dict(save_every_minutes=0, eval_blocks=1, pack_buffer_blocks=1, max_bad_steps=1, epochs=1, log_every=1)
-LOWEST |= dict(gradient_accumulation_steps=1, loss_chunk_tokens=1, keep_checkpoints=1)
+LOWEST |= dict(gradient_accumulation_steps=1, loss_chunk_tokens=1, keep_checkpoints=1, collective_timeout_s=1)
 
 
 def typed(field: dataclasses.Field, value, source: str):
@@ -1491,8 +1527,9 @@ class Checkpointer(Operation, AsyncStager):
     def __init__(self, job: Job, log: MetricsLog | None = None):
         self.job, self.log, self.pending, self.buffers, self.preparing = job, log, None, {}, None
         self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
-        if job.cfg.async_save and job.cfg.save_every >= 0:
+        if job.cfg.save_every >= 0:  # saves wait on this group, whose timeout stays long (not collective_timeout_s)
             self.group = dist.new_group(backend="gloo")
+        if job.cfg.async_save and job.cfg.save_every >= 0:
             # The host memory of the staged copy (weights, and AdamW's two moments of the trained ones).
             ranks, gib = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size)), 2**30
             rank = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters()) / gib
@@ -1541,13 +1578,13 @@ class Checkpointer(Operation, AsyncStager):
         t0, path = time.perf_counter(), Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
         if d.rank == 0 and path.exists():
             shutil.rmtree(path)  # an earlier, interrupted save of this step
-        dist.barrier()
+        dist.barrier(self.group)
         path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
         state, future = self.state(), None
         if job.cfg.async_save:  # the copy (self.stage) is taken before the next step changes the weights
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=self)
         else:
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng |= {"cuda": torch.cuda.get_rng_state(d.device)} if d.device.type == "cuda" else {}
         torch.save({"progress": dataclasses.asdict(progress), "rng": rng}, path / f"rank_{d.rank:05d}.pt")
@@ -1609,7 +1646,7 @@ class Checkpointer(Operation, AsyncStager):
         (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
         if future:
             future.result()  # raises what the write raised
-        dist.barrier()  # every rank has written its part
+        dist.barrier(self.group)  # every rank has written its part
         self.pending = None
         if self.job.d.rank == 0:
             files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
@@ -1914,6 +1951,62 @@ class Evaluator(Operation):
         self.last_loss = loss_sum.item() / self.loss_tokens
         print0(self.d.rank, f"eval step {step} | loss {self.last_loss:.4f}")
         self.log.write({"step": step, "eval_loss": self.last_loss})
+
+
+# ---- Hangs: a short collective timeout once training runs, and the ranks that went silent -----------------------
+class HangWatch(Operation):
+    """From this start's first step on, a collective that waits collective_timeout_s fails, so the rank exits and
+    torchrun restarts the workers. Every rank beats in the process group's store; one kept waiting names the ranks
+    that went silent (stopped, frozen, gone) and prints where it waits, before the timeout ends it."""
+
+    BEAT_S = 5.0
+
+    def __init__(self, job: Job):
+        self.job, self.done, self.last = job, threading.Event(), None  # last: when this rank's last step ended
+
+    def after_step(self, job: Job, stats: StepStats) -> None:
+        if self.last is None:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))
+            threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
+        self.last = time.monotonic()
+
+    def at_end(self, job: Job, why: str) -> None:
+        self.done.set()
+        if self.last is not None:  # the final save, eval and export may wait as long as the startup
+            dist.distributed_c10d._set_pg_timeout(STARTUP_TIMEOUT)
+
+    def watch(self, store) -> None:
+        d, timeout, said, pause = self.job.d, self.job.cfg.collective_timeout_s, False, 0.0
+        while not self.done.wait(pause):  # a beat now, then one every BEAT_S
+            pause = self.BEAT_S
+            with contextlib.suppress(RuntimeError):  # the store is gone with the run: so is the watch
+                store.set(f"beat/{d.rank}", str(time.time()))
+            waited = time.monotonic() - self.last
+            if said or waited < 0.8 * timeout:
+                continue
+            now, keys = time.time(), [f"beat/{r}" for r in range(d.world_size)]
+            beats = [float(store.get(k)) if store.check([k]) else None for k in keys]
+            silent = [f"rank {r} ({'no beat' if t is None else f'{now - t:.0f} s'})" for r, t in enumerate(beats)]
+            silent = [text for text, t in zip(silent, beats) if t is None or t < now - 2 * self.BEAT_S]
+            print(
+                f"rank {d.rank}: step {self.job.progress.step + 1} has not ended in {waited:.0f} s; silent ranks: "
+                f"{', '.join(silent) or 'none (each prints where it waits)'}; a training collective times out at "
+                f"{timeout:.0f} s (a save's at {STARTUP_TIMEOUT}). Where this rank waits:",
+                file=sys.stderr,
+                flush=True,
+            )
+            faulthandler.dump_traceback(sys.stderr)
+            said = True
+
+
+def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
+    """A fault under torchrun: the workers restart (--max-restarts) and resume, or on the last attempt the job ends."""
+    attempt, restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    fault = f"rank {d.rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
+    if attempt < restarts:
+        return f"{fault}\nattempt {attempt + 1} of {restarts + 1} failed: torchrun restarts the workers, which resume"
+    newest = newest_checkpoint(cfg)
+    return f"{fault}\nthe last of {restarts + 1} attempts failed: the job stops; its newest checkpoint is {newest}"
 
 
 # ---- The run lock, SIGTERM, and the end of training --------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Sharded loading, the Hugging Face export, and resume after a SIGKILL, on 2 CPU ranks under torchrun."""
+"""Sharded loading, the Hugging Face export, resume after a SIGKILL or SIGTERM, and restarts inside the job (a hung,
+killed or failing rank, slow saves), on 2 CPU ranks under torchrun."""
 
 import itertools
 import json
@@ -79,7 +80,7 @@ def test_sharded_load_equals_from_pretrained_and_the_export_keeps_every_tensor(b
     assert torch.allclose(logits, got["logits"], rtol=1e-5, atol=1e-5)
 
 
-def job(tmp_path, tiny_model_dir, name, data, log_every=1):
+def job(tmp_path, tiny_model_dir, name, data, log_every=1, **settings):
     out = tmp_path / name
     config = write_tiny_job(
         tmp_path / f"{name}.yaml",
@@ -95,6 +96,7 @@ def job(tmp_path, tiny_model_dir, name, data, log_every=1):
         save_every=3,
         keep_checkpoints=2,
         output_dir=str(out),
+        **settings,
     )
     return [*TORCHRUN, "train.py", "--config", str(config)], out
 
@@ -264,6 +266,77 @@ def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(
     stopped = re.search(r"^stopped by SIGTERM after step (\d+); the newest checkpoint is .*step_", lines[-1])
     assert stopped, output[-3000:]
     assert (tmp_path / f"out/checkpoints/step_{int(stopped[1]):08d}/complete.json").exists()
+
+
+def restarting(config, fault, restarts=1):
+    """fault_worker.py under torchrun with --max-restarts: (exit status, stdout and stderr)."""
+    command = [*TORCHRUN, f"--max-restarts={restarts}", str(WORKERS / "fault_worker.py"), str(config), fault]
+    proc = subprocess.run(command, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["stop-rank1-once-at-5", "kill-rank1-once-at-5"])
+def test_a_hung_or_killed_rank_restarts_inside_the_job_and_the_run_ends_bit_identical(
+    fault, tiny_model_dir, straight, tmp_path
+):
+    """Rank 1 hangs (SIGSTOP) or dies (SIGKILL) in step 5: the job notices (rank 0's collective times out after
+    collective_timeout_s, naming rank 1 as silent first; or it loses its peer), torchrun restarts both workers,
+    and they resume from step 3's checkpoint to the uninterrupted run's losses and weights."""
+    data, straight = straight
+    _, out = job(tmp_path, tiny_model_dir, "restarted", data, log_every=2, collective_timeout_s=20)
+    started = time.monotonic()
+    status, output = restarting(tmp_path / "restarted.yaml", fault)
+    assert status == 0, output[-4000:]
+    assert "attempt 1 of 2 failed: torchrun restarts the workers, which resume" in output
+    assert f"resumed from {out}/checkpoints/step_00000003" in output
+    if fault.startswith("stop"):
+        assert re.search(
+            r"rank 0: step 5 has not ended in \d+ s; silent ranks: rank 1 \(\d+ s\); "
+            r"a training collective times out at 20 s",
+            output,
+        ), output[-4000:]
+        assert "Timed out waiting 20000ms" in output and time.monotonic() - started < 150
+    assert losses_by_step(out) == losses_by_step(straight)
+    a, b = tensors(straight / "model"), tensors(out / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.distributed
+def test_a_rank_that_keeps_failing_stops_the_job_after_its_restarts_with_the_checkpoint_intact(
+    tiny_model_dir, straight, tmp_path
+):
+    data, straight = straight
+    command, out = job(tmp_path, tiny_model_dir, "failing", data, log_every=2)
+    status, output = restarting(tmp_path / "failing.yaml", "kill-rank1-at-5")
+    assert status != 0 and output.count(f"resumed from {out}/checkpoints/step_00000003") == 1, output[-4000:]
+    last = f"the last of 2 attempts failed: the job stops; its newest checkpoint is {out}/checkpoints/step_00000003"
+    assert output.count(last) == 1 and output.count("attempt 1 of 2 failed") == 1, output[-4000:]
+    newest = train.complete_checkpoints(train.Config(output_dir=str(out)))
+    assert [p.name for p in newest] == ["step_00000003"] and train.checkpoint_problem(newest[0]) is None
+    run_ok(command)  # and it resumes: the rest of the run is the uninterrupted one
+    assert losses_by_step(out) == losses_by_step(straight)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", [True, False])
+def test_waits_longer_than_the_collective_timeout_in_step_1_saves_and_the_export_do_not_end_the_run(
+    async_save, tiny_model_dir, tmp_path
+):
+    """Rank 1's first step (a compile) and checkpoint writes (a slow volume), and rank 0's end of the export, each
+    take 1.5 timeouts: the short timeout starts after the first step, saves wait on their own group, and the end of
+    training has the startup's timeout again."""
+    config = write_tiny_job(
+        tmp_path / "slow.yaml",
+        tiny_model_dir,
+        max_steps=5,
+        save_every=2,
+        async_save=async_save,
+        collective_timeout_s=4,
+        output_dir=str(tmp_path / "slow"),
+    )
+    status, output = restarting(config, "slow-waits", restarts=0)
+    assert status == 0 and "step 5/5" in output and (tmp_path / "slow/model/config.json").exists(), output[-4000:]
 
 
 @pytest.mark.distributed

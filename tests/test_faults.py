@@ -278,3 +278,14 @@ def test_runs_without_a_launcher_each_take_a_free_port(tiny_model_dir, tmp_path,
         )
         assert train.train(str(job))["steps"] == 1
     assert "MASTER_PORT" not in os.environ  # nothing leaks into the processes started after it
+
+
+def test_restarts_over_nodes_sharing_torchruns_store_are_refused_before_they_hang(monkeypatch):
+    """Each node's torchrun counts its own restarts, so keys per attempt would differ between nodes."""
+    env = dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_MAX_RESTARTS="2", LOCAL_WORLD_SIZE="8")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(train.UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        train.attempt_store(world_size=16)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a new store each attempt, hosted by rank 0
+    assert train.attempt_store(world_size=16) is None

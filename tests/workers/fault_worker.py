@@ -9,7 +9,11 @@ raise: rank 1 raises at the 2nd step, while rank 0 goes on into the next collect
 kill-at-N: every rank SIGKILLs itself in step N's hook (after its backward, before the step's end), as a
 preempted node would die, with whatever checkpoint write was in flight;
 sigterm-launcher-at-N: rank 0 sends SIGTERM to torchrun in step N, as a scheduler stopping the job would;
-kill-launcher-at-N: rank 0 SIGKILLs torchrun alone in step N; the steps after it take 0.5 s each.
+kill-launcher-at-N: rank 0 SIGKILLs torchrun alone in step N; the steps after it take 0.5 s each;
+stop-rank1-once-at-N, kill-rank1-once-at-N: rank 1 SIGSTOPs (hangs) or SIGKILLs itself in step N of the first
+attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would; kill-rank1-at-N: in every attempt;
+slow-waits: rank 1's first step and checkpoint writes, and rank 0's end of the export, each take 1.5
+collective_timeout_s longer (a first step's compile, a slow volume).
 """
 
 import os
@@ -19,11 +23,13 @@ import time
 from pathlib import Path
 
 import yaml
+from torch.distributed.checkpoint import FileSystemWriter
 
 import train
 
 job, fault = sys.argv[1:3]
 rank = int(os.environ["RANK"])
+once = Path(job).with_suffix(".fault-done")
 
 
 def inject(step, model, loss_sum, blocks):
@@ -34,6 +40,13 @@ def inject(step, model, loss_sum, blocks):
         os.kill(os.getppid(), signal.SIGTERM if fault.startswith("sigterm") else signal.SIGKILL)
     if fault.startswith("kill-launcher-at-") and step > int(fault.rsplit("-", 1)[1]):
         time.sleep(0.5)
+    if rank == 1 and fault in (f"stop-rank1-once-at-{step}", f"kill-rank1-once-at-{step}") and not once.exists():
+        once.write_text(fault)
+        os.kill(os.getpid(), signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
+    if rank == 1 and fault == f"kill-rank1-at-{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1 and fault == "slow-waits" and step == 1:
+        time.sleep(1.5 * settings["collective_timeout_s"])
     if rank == 1 and fault == "raise" and step == 2:
         raise RuntimeError("injected fault on rank 1")
     if rank == 1 and (fault == "nan-once" and step == 2 or fault == "nan-always" and step >= 3):
@@ -43,4 +56,19 @@ def inject(step, model, loss_sum, blocks):
     return loss_sum
 
 
-train.train(yaml.safe_load(Path(job).read_text()), step_hook=inject)
+def slowly(function, seconds: float):
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return function(*args, **kwargs)
+
+    return slow
+
+
+settings = yaml.safe_load(Path(job).read_text())
+if fault == "slow-waits":  # legitimate waits longer than the collective timeout
+    late = 1.5 * settings["collective_timeout_s"]
+    if rank == 1:  # in the background write (async_save) or the save itself
+        FileSystemWriter.write_data = slowly(FileSystemWriter.write_data, late)
+    if rank == 0:  # the export's files, written by rank 0 while the others wait
+        train.stop_at_end_of_turn = slowly(train.stop_at_end_of_turn, late)
+train.train(settings, step_hook=inject)
