@@ -44,7 +44,6 @@ import time
 import weakref
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -76,11 +75,10 @@ def setting(default, doc: str, resumable: bool = False):
     return dataclasses.field(default=default, metadata={"doc": doc, "resumable": resumable})
 
 
-def resumable(default, doc: str):
-    return setting(default, doc, resumable=True)
+resumable = partial(setting, resumable=True)  # a setting that may change on resume
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Every setting of a run, with the default job's values; checked on construction (check_settings)."""
 
@@ -147,7 +145,7 @@ class Config:
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 
 
-@dataclass
+@dataclasses.dataclass
 class Dist:
     rank: int
     world_size: int
@@ -310,9 +308,8 @@ class AssistantMasker:
     def __init__(self, tokenizer):
         if not tokenizer.chat_template:
             raise UserError("the tokenizer has no chat_template; set tokenizer_name to one that has")
-        self.tok = tokenizer
+        self.tok, self.renders_reasoning = tokenizer, "reasoning_content" in tokenizer.chat_template
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
-        self.renders_reasoning = "reasoning_content" in tokenizer.chat_template
 
     def samples(self, messages: list[dict], tools: list | None = None) -> list[tuple[list[int], list[bool]]]:
         """[(ids, mask), ...]: the conversation, and each turn whose reasoning it leaves out (README, "Reasoning")."""
@@ -342,11 +339,9 @@ class AssistantMasker:
 
     def render(self, messages: list[dict], tools, skip=()) -> tuple[list[int], list[bool], set]:
         """(ids, mask over the assistant turns not in skip, the turns whose reasoning the template left out)."""
-        texts = [
-            m["content"] + (m.get("reasoning_content") or "") + json.dumps(m.get("tool_calls"), default=str)
-            for m in messages
-        ]
-        if any(s in t for t in texts + [json.dumps(tools, default=str)] for s in self.special):
+        dumps = partial(json.dumps, default=str)
+        texts = [m["content"] + (m.get("reasoning_content") or "") + dumps(m.get("tool_calls")) for m in messages]
+        if any(s in t for t in texts + [dumps(tools)] for s in self.special):
             raise Skip("special-token text in a content")  # it would be tokenized as real turn markers
         if not self.renders_reasoning and any(m.get("reasoning_content") for m in messages):
             raise Skip("reasoning the template does not render (set reasoning: drop)")
@@ -454,8 +449,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of indices, lengths summing to <= capacity: longest first, each into the fullest bin it fits."""
     bins, room = [], []  # each bin's items, and the room left in it
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
-        if fits:
+        if fits := [b for b in range(len(bins)) if room[b] >= lengths[i]]:
             b = min(fits, key=lambda b: room[b])
             bins[b].append(i)
             room[b] -= lengths[i]
@@ -505,7 +499,7 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-@dataclass
+@dataclasses.dataclass
 class StreamPosition:
     """Where a block sits in its stream: a resume packs its buffer again and passes over the blocks taken."""
 
@@ -582,18 +576,9 @@ def load_tokenizer(cfg: Config):
 
     name = cfg.tokenizer_name or cfg.model_name
     revision = (cfg.model_revision or None) if not cfg.tokenizer_name and not Path(name).exists() else None
-    load = partial(
-        transformers.AutoTokenizer.from_pretrained, name, revision=revision, trust_remote_code=cfg.trust_remote_code
-    )
+    auto = transformers.AutoTokenizer
+    load = partial(auto.from_pretrained, name, revision=revision, trust_remote_code=cfg.trust_remote_code)
     return from_hub(load, name)
-
-
-def step_count(cfg: Config, tokenizer, d: Dist, meta: dict | None) -> tuple[int, dict | None]:
-    """max_steps if set; else a resumed run's count; else the counting pass's (a stream has no length)."""
-    if cfg.max_steps or meta:
-        return cfg.max_steps or meta["total_steps"], None
-    max_blocks, stats = count_blocks(cfg, tokenizer, d)
-    return math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps), stats
 
 
 # ---- Model: build, activation checkpointing, FSDP2, load ---------------------------------------------------------
@@ -606,8 +591,7 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
         raise NotImplementedError(f"torch_varlen does not do {unsupported or 'dropout'}: use flash_attention_2")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
     return out.unsqueeze(0), None
@@ -617,14 +601,12 @@ def model_config(name: str | Path, revision: str = "", trust_remote_code: bool =
     """The model's config, its cache off."""
     import transformers
 
-    revision = revision if not Path(name).exists() else ""
-    load = partial(
-        transformers.AutoConfig.from_pretrained, name, revision=revision or None, trust_remote_code=trust_remote_code
-    )
+    revision = None if Path(name).exists() else revision or None
+    auto = transformers.AutoConfig
+    load = partial(auto.from_pretrained, name, revision=revision, trust_remote_code=trust_remote_code)
     config = from_hub(load, str(name))
     # With a cache, transformers derives no block-diagonal mask from position_ids: packed conversations would mix.
-    config.use_cache = False
-    config.get_text_config().use_cache = False
+    config.use_cache = config.get_text_config().use_cache = False
     return config
 
 
@@ -640,11 +622,9 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
 
     image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping
     model_class = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
-    kwargs = dict(
-        attn_implementation=attn, dtype=getattr(torch, cfg.master_dtype), trust_remote_code=cfg.trust_remote_code
-    )
+    dtype, remote_code = getattr(torch, cfg.master_dtype), cfg.trust_remote_code
     with torch.device("meta"):
-        model = model_class.from_config(config, **kwargs)
+        model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
     # Text-only SFT trains the decoder and the LM head. Anything else (a VLM's vision tower) would get no gradient,
     # so AdamW would hold no state for it and a resume could not match the checkpoint: freeze it (still exported).
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
@@ -652,8 +632,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         p.requires_grad_(id(p) in trained)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
-    layers = model.get_decoder().layers
-    share = recompute_share(cfg.activation_checkpointing)
+    layers, share = model.get_decoder().layers, recompute_share(cfg.activation_checkpointing)
     if share is None or share > 0:
         # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping). A
         # share f recomputes an evenly spread f of the layers; auto starts with all (RecomputeProbe keeps some).
@@ -699,10 +678,8 @@ def compile_elementwise(layers) -> None:
 
 def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
     """Each rank reads only its own slices of the safetensors files: no rank holds the whole model."""
-    state = model.state_dict()
-    tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
-    missing = [k for k in state if k not in source_dtypes and k != tied_head]
-    if missing:
+    state, tied_head = model.state_dict(), "lm_head.weight" if model.config.tie_word_embeddings else None
+    if missing := [k for k in state if k not in source_dtypes and k != tied_head]:
         raise UserError(f"{len(missing)} model tensors are not in the checkpoint at {path}, e.g. {missing[:3]}")
     dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
 
@@ -802,7 +779,7 @@ def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
 
 
 # ---- One step, the loop, the entry points ------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Progress:
     """This rank's resumable state, saved with every checkpoint: the step, and where each data stream is."""
 
@@ -823,11 +800,10 @@ class Progress:
                 yield item
 
     def stream_counts(self) -> Counter:
-        """The counts of this rank's streams so far."""
         return sum((Counter(p.counts_at_end) for p in self.streams.values()), Counter())
 
 
-@dataclass
+@dataclasses.dataclass
 class Job:
     """What a step, the loop and the operations work on."""
 
@@ -842,7 +818,7 @@ class Job:
     step_hook: object = None  # f(step, model, loss_sum, blocks) -> a new loss_sum or None, after each backward
 
 
-@dataclass
+@dataclasses.dataclass
 class StepStats:
     """A step's counts over all ranks, and its results."""
 
@@ -926,7 +902,6 @@ class Operation:
     last_loss = None  # the log's and the evaluator's last loss
 
     def after_step(self, job: Job, stats: StepStats) -> None: ...
-
     def at_end(self, job: Job, why: str) -> None: ...
 
 
@@ -960,21 +935,23 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    total_steps, packing = step_count(cfg, tokenizer, d, meta)
+    if cfg.max_steps or meta:  # the step count; without either, the counting pass's (a stream has no length)
+        total_steps, packing = cfg.max_steps or meta["total_steps"], None
+    else:
+        max_blocks, packing = count_blocks(cfg, tokenizer, d)
+        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     # The data stream starts now: its worker packs the first buffer while the weights load.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
     source = on_every_rank(partial(pretrained_dir, cfg), d)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
-    if cfg.init == "pretrained":
-        source_dtypes = checkpoint_dtypes(source)
-    else:
-        source_dtypes = dict.fromkeys(model.state_dict(), getattr(torch, cfg.param_dtype))
+    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
+    source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
     optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
-    elif cfg.init == "pretrained":
+    elif pretrained:
         load_pretrained(model, source, source_dtypes)
     else:
         init_random(model, cfg.seed)
@@ -1029,14 +1006,16 @@ def main(argv: list[str] | None = None) -> None:
 # ==== PART II: OPERATIONS =========================================================================================
 # A reader of the recipe may stop here: what follows parses, checks, counts, saves, probes, logs, guards and exports.
 # ---- Parsing and the resume policy -------------------------------------------------------------------------------
-
-# Each setting's allowed values or lower bound (check_settings has the rest).
+# Each setting's allowed values, lower bound or range (a test, and what the value must be); check_settings has the rest.
 CHOICES = dict(init=("pretrained", "random"), reasoning=("train", "drop"), lr_schedule=("cosine", "linear", "constant"))
 CHOICES |= dict(attn_implementation=("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager"))
 CHOICES |= dict.fromkeys(("master_dtype", "param_dtype", "reduce_dtype"), ("bfloat16", "float32"))
 LOWEST = dict(max_seq_len=16, save_every=-1, num_workers=0, weight_decay=0, max_steps=0, warmup_steps=0, eval_every=0)
 LOWEST |= dict(save_every_minutes=0, eval_blocks=1, pack_buffer_blocks=1, max_bad_steps=1, epochs=1, log_every=1)
 LOWEST |= dict(gradient_accumulation_steps=1, loss_chunk_tokens=1, keep_checkpoints=1, collective_timeout_s=1)
+RANGES = dict.fromkeys(("eval_fraction", "max_skip_fraction", "min_lr_ratio"), (lambda v: 0 <= v <= 1, "in [0, 1]"))
+RANGES |= dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda v: 0 <= v < 1, "in [0, 1)"))
+RANGES |= dict(learning_rate=(lambda v: 0 < v < math.inf, "> 0 and finite"), max_grad_norm=(lambda v: v > 0, "> 0"))
 
 
 def typed(field: dataclasses.Field, value, source: str):
@@ -1053,21 +1032,15 @@ def typed(field: dataclasses.Field, value, source: str):
 
 
 def check_settings(cfg: Config) -> None:
-    """Each value in its range (CHOICES, LOWEST and the rest here), and eval data apart from the training data."""
+    """Each value in its range (CHOICES, LOWEST, RANGES and the rest here); eval data apart from the training's."""
     for key, value in dataclasses.asdict(cfg).items():
         need = None
         if key in CHOICES and value not in CHOICES[key]:
             need = f"one of {', '.join(CHOICES[key])}"
         elif key in LOWEST and not value >= LOWEST[key]:  # `not >=`: NaN fails too
             need = f">= {LOWEST[key]}"
-        elif key in ("eval_fraction", "max_skip_fraction", "min_lr_ratio") and not 0 <= value <= 1:
-            need = "in [0, 1]"
-        elif key in ("adam_beta1", "adam_beta2") and not 0 <= value < 1:
-            need = "in [0, 1)"
-        elif key == "learning_rate" and not 0 < value < math.inf:
-            need = "> 0 and finite"
-        elif key == "max_grad_norm" and not value > 0:
-            need = "> 0"
+        elif key in RANGES and not RANGES[key][0](value):
+            need = RANGES[key][1]
         elif key == "activation_checkpointing" and value != "auto":
             try:
                 share = recompute_share(value)
@@ -1082,16 +1055,13 @@ def check_settings(cfg: Config) -> None:
     eval_file, data_file = Path(cfg.eval_split).suffix, Path(cfg.dataset_name).suffix
     same_file = eval_file and Path(cfg.eval_split).resolve() == Path(cfg.dataset_name).resolve()
     if cfg.eval_split and ((data_file and not eval_file) or cfg.eval_split == cfg.dataset_split or same_file):
-        raise UserError(
-            f"bad configuration: eval_split {cfg.eval_split!r} is the training data: give a held-out "
-            "file or split, or set eval_fraction to hold out a share of the records"
-        )
+        fix = "give a held-out file or split, or set eval_fraction to hold out a share of the records"
+        raise UserError(f"bad configuration: eval_split {cfg.eval_split!r} is the training data: {fix}")
 
 
 def load_config(*sources: tuple[str, dict]) -> Config:
     """Config from defaults and each (source, overrides), later wins; unknown keys and wrong types are named."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = {}
+    fields, values = {f.name: f for f in dataclasses.fields(Config)}, {}
     for source, overrides in sources:
         for key, value in overrides.items():
             if key not in fields:
@@ -1125,8 +1095,7 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
         need = f"; >= {LOWEST[f.name]}" if f.name in LOWEST else need
         resume = "; may change on resume" if f.metadata["resumable"] else ""
         doc = f"{f.metadata['doc']} (default: {f.default!r}{need}{resume})".replace("%", "%%")
-        parse = str if isinstance(f.default, str) else yaml.safe_load
-        kind = type(f.default).__name__.upper()
+        parse, kind = str if isinstance(f.default, str) else yaml.safe_load, type(f.default).__name__.upper()
         group.add_argument(f"--{f.name}", type=parse, default=argparse.SUPPRESS, metavar=kind, help=doc)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -1175,8 +1144,7 @@ def on_every_rank(check, d: Dist):
         result, error = None, f"{e} (rank {d.rank})" if d.world_size > 1 else str(e)
     errors = [None] * d.world_size
     dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
+    if first := next((e for e in errors if e), None):
         raise UserError(first)
     return result
 
@@ -1205,10 +1173,8 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise UserError(
-            f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): set output_dir "
-            "to a directory (or Unity Catalog volume path) this job can write"
-        ) from e
+        fix = "set output_dir to a directory (or Unity Catalog volume path) this job can write"
+        raise UserError(f"output_dir {out} is not writable from rank {d.rank} ({e.strerror}): {fix}") from e
     return out
 
 
@@ -1217,7 +1183,13 @@ def startup_checks(cfg: Config, d: Dist):
     attn = resolve_attention(cfg.attn_implementation, d.device)
     config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
-    check_model_settings(config, cfg, d.device)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)  # the block within the model's positions
+    if limit and cfg.max_seq_len > limit:
+        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+    if cfg.float8 and (d.device.type != "cuda" or torch.cuda.get_device_capability(d.device) < (8, 9)):
+        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
+    if cfg.float8 and importlib.util.find_spec("torchao") is None:
+        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)
@@ -1230,10 +1202,8 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
     if requested == "flash_attention_2" and not has_flash_attn:
-        raise UserError(
-            "attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
-            "--no-build-isolation, or use torch_varlen (CUDA) / sdpa"
-        )
+        fix = "pip install flash-attn --no-build-isolation, or use torch_varlen (CUDA) / sdpa"
+        raise UserError(f"attn_implementation=flash_attention_2 needs flash-attn: {fix}")
     if requested == "torch_varlen":
         if device.type != "cuda" or importlib.util.find_spec("torch.nn.attention.varlen") is None:
             raise UserError("attn_implementation=torch_varlen needs CUDA and torch >= 2.10; use sdpa on CPU")
@@ -1248,13 +1218,11 @@ def require_kernels(config) -> None:
     if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
         return
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
-    missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
+    missing = " and ".join(pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None)
     if missing:
-        raise UserError(
-            f"{config.model_type} has linear-attention layers and needs {' and '.join(missing)}: "
-            "pip install flash-linear-attention, and build causal-conv1d against your torch "
-            "(workload.yaml's setup does both: README, 'Run it on GPUs')"
-        )
+        fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
+        fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
+        raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
     if fla_refuses_hopper_backward():
         raise UserError(
             "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4, "
@@ -1270,17 +1238,6 @@ def fla_refuses_hopper_backward() -> bool:
 
     guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
     return guarded and not CommonTileLangBackend.can_use()
-
-
-def check_model_settings(config, cfg: Config, device: torch.device) -> None:
-    """The block length within the model's positions; float8's GPU and package."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and cfg.max_seq_len > limit:
-        raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
-    if cfg.float8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
-        raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
-    if cfg.float8 and importlib.util.find_spec("torchao") is None:
-        raise UserError("float8 needs torchao: pip install torchao==0.18.0")
 
 
 def check_data(cfg: Config, part: str) -> None:
@@ -1300,10 +1257,8 @@ def check_data(cfg: Config, part: str) -> None:
         raise UserError(f"dataset {source} [{split}] {problem}")
     if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
         columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
-        raise UserError(
-            f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; "
-            f"its columns are {columns}: set messages_column to the one holding the conversations"
-        )
+        fix = f"its columns are {columns}: set messages_column to the one holding the conversations"
+        raise UserError(f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; {fix}")
 
 
 def from_hub(load, name: str):
@@ -1315,10 +1270,8 @@ def from_hub(load, name: str):
     except (OSError, GatedRepoError, RepositoryNotFoundError) as e:
         cause = e if isinstance(e, (GatedRepoError, RepositoryNotFoundError)) else e.__cause__
         if isinstance(cause, (GatedRepoError, RepositoryNotFoundError)) and not os.environ.get("HF_TOKEN"):
-            raise UserError(
-                f"{name} is gated or private and HF_TOKEN is not set: accept its license on the hub, "
-                "then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
-            ) from e
+            fix = "accept its license on the hub, then set HF_TOKEN (in a workload: secrets: {HF_TOKEN: scope/key})"
+            raise UserError(f"{name} is gated or private and HF_TOKEN is not set: {fix}") from e
         first_line = str(e).strip().split("\n")[0]
         raise UserError(f"cannot load {name}: {first_line} (a local directory, or the hub name and network?)") from e
 
@@ -1327,17 +1280,14 @@ def pretrained_dir(cfg: Config) -> Path:
     """model_name, or its hub snapshot (one download per node, by the hub's file locks); safetensors only."""
     path = Path(cfg.model_name)
     if not path.is_dir():
-        patterns = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
-        revision = cfg.model_revision or None
+        files = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
         from huggingface_hub import snapshot_download
 
-        download = partial(snapshot_download, cfg.model_name, revision=revision, allow_patterns=patterns)
+        download = partial(snapshot_download, cfg.model_name, revision=cfg.model_revision or None, allow_patterns=files)
         path = Path(from_hub(download, cfg.model_name))
     if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
-        raise UserError(
-            f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format "
-            "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
-        )
+        fix = "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
+        raise UserError(f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format {fix}")
     return path
 
 
@@ -1364,7 +1314,6 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
 
 
 # ---- The counting pass -------------------------------------------------------------------------------------------
-
 COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
 
 
@@ -1376,26 +1325,18 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
         tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
         if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
-            shown = time.monotonic()
-            where = block["position"].record
+            shown, where = time.monotonic(), block["position"].record
             print0(d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {where:,} records in")
     totals = [None] * d.world_size
     dist.all_gather_object(totals, (seen.blocks, tokens, loss_tokens, seen.stream_counts()))
-    blocks_per_rank = [t[0] for t in totals]
-    counts = sum((Counter(t[3]) for t in totals), Counter())
-    capacity = max(1, sum(blocks_per_rank) * cfg.max_seq_len)
-    skipped = skip_reasons(counts)
-    stats = {
-        "blocks": sum(blocks_per_rank),
-        "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)],
-        "conversations": counts["conversations"],
-        "non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4),
-        "loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4),
-        "extra_samples_for_reasoning": counts[EXTRA_SAMPLES],
-        "truncated": counts["truncated"],
-        "skipped": sum(skipped.values()),
-        "skipped_by_reason": skipped,
-    }
+    blocks_per_rank, counts = [t[0] for t in totals], sum((Counter(t[3]) for t in totals), Counter())
+    capacity, skipped = max(1, sum(blocks_per_rank) * cfg.max_seq_len), skip_reasons(counts)
+    stats = {"blocks": sum(blocks_per_rank), "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)]}
+    stats |= {"conversations": counts["conversations"]}
+    stats |= {"non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4)}
+    stats |= {"loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4)}
+    stats |= {"extra_samples_for_reasoning": counts[EXTRA_SAMPLES], "truncated": counts["truncated"]}
+    stats |= {"skipped": sum(skipped.values()), "skipped_by_reason": skipped}
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.monotonic() - t0:.0f}s)")
     if max(blocks_per_rank) == 0:
         raise UserError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
@@ -1405,10 +1346,8 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
 
 def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
     if records and skipped / records > cfg.max_skip_fraction:
-        raise UserError(
-            f"{skipped} of {records} records cannot be trained on (more than max_skip_fraction "
-            f"{cfg.max_skip_fraction}): {reasons}. Fix the data, or raise max_skip_fraction"
-        )
+        limit, fix = f"more than max_skip_fraction {cfg.max_skip_fraction}", "Fix the data, or raise max_skip_fraction"
+        raise UserError(f"{skipped} of {records} records cannot be trained on ({limit}): {reasons}. {fix}")
 
 
 # ---- Checkpoints and resume --------------------------------------------------------------------------------------
@@ -1419,13 +1358,11 @@ def complete_checkpoints(cfg: Config) -> list[Path]:
 
 
 def newest_checkpoint(cfg: Config) -> str:
-    """The newest complete checkpoint, for a message."""
     never = "none (save_every: -1)" if cfg.save_every < 0 else "none"
     return str((complete_checkpoints(cfg) or [never])[-1])
 
 
 def checkpoint_meta(path: Path) -> dict:
-    """A complete checkpoint's complete.json."""
     return json.loads((path / "complete.json").read_text())
 
 
@@ -1458,8 +1395,7 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:
     def newest_intact() -> Path | None:
         candidates = complete_checkpoints(cfg)
         for path in reversed(candidates):
-            problem = checkpoint_problem(path)
-            if not problem:
+            if not (problem := checkpoint_problem(path)):
                 return path
             aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
             path.rename(aside)
@@ -1473,18 +1409,14 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:
 
 def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
     """This rank's Progress and RNG states, once cfg may resume the checkpoint; needs no model."""
-    if meta["world_size"] != d.world_size:
-        ranks = meta["world_size"]
+    if (ranks := meta["world_size"]) != d.world_size:
         raise UserError(f"{path} was written by {ranks} ranks; resume with as many, or use another output_dir")
-    fixed = fixed_on_resume(meta["config"], cfg)
-    if fixed:
+    if fixed := fixed_on_resume(meta["config"], cfg):
         changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
-        raise UserError(
-            f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the "
-            "batch and the optimizer of its checkpoint. Restore them, or use another output_dir"
-        )
-    changed = {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}
-    if changed:
+        why = "a resumed run keeps the data layout, the batch and the optimizer of its checkpoint"
+        fix = "Restore them, or use another output_dir"
+        raise UserError(f"{path} was written with other {sorted(fixed)} ({changes}): {why}. {fix}")
+    if changed := {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
     torch.set_rng_state(saved["rng"]["torch"])
@@ -1496,7 +1428,6 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
 
 
 def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist) -> None:
-    """Loads the checkpoint's model, optimizer and scheduler states."""
     t0 = time.perf_counter()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
@@ -1539,7 +1470,6 @@ class Checkpointer(Operation, AsyncStager):
             print0(job.d.rank, f"{line} GiB on this node of {node:.0f} GiB{warn}")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
-        """Completes a finished write, prepares the staging buffers, saves when due."""
         if self.pending and self.pending[0]:
             running = torch.tensor(int(not self.pending[0].done()), device=job.d.device)
             dist.all_reduce(running)
@@ -1664,11 +1594,9 @@ class Checkpointer(Operation, AsyncStager):
 
 
 # ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
-
 # The share of a GPU's memory auto leaves unplanned: fragmentation, and peaks step 2 does not show (NCCL's buffers).
 AUTO_RECOMPUTE_MARGIN = 0.1
-# Steps in a row without an allocator retry that end auto's watch (RecomputeProbe.watch).
-AUTO_RECOMPUTE_WATCH_STEPS = 10
+AUTO_RECOMPUTE_WATCH_STEPS = 10  # steps in a row without an allocator retry that end RecomputeProbe.watch
 
 
 def recompute_is_measured(cfg, device: torch.device) -> bool:
@@ -1711,26 +1639,22 @@ class RecomputeProbe(Operation):
         """Step 1 measures, step 2 decides, then it watches; only steps that stepped the optimizer count."""
         if stats.loss_sum is None or not self.watching:
             return
-        if self.seconds is None:
-            self.measured()
+        if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
+            torch.cuda.synchronize()
+            for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
+                layer._gradient_checkpointing_func = checkpoint_func
+            self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+            torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
         elif self.kept is None:
             self.decide()
         else:
             self.watching = not self.watch()
 
-    def measured(self) -> None:
-        torch.cuda.synchronize()
-        for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
-            layer._gradient_checkpointing_func = checkpoint_func
-        self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
-        torch.cuda.reset_peak_memory_stats()  # the baseline's peak starts here, after step 1's log line read its own
-
     def decide(self) -> None:
         d, gib = self.job.d, 2**30
         free, total = torch.cuda.mem_get_info()
         limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
-        usable = min(free + torch.cuda.memory_reserved(), limit)
-        peak = torch.cuda.max_memory_allocated()
+        usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
         room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, dtype=torch.float64, device=d.device)
         costs = torch.tensor([*self.bytes, *self.seconds], dtype=torch.float64, device=d.device)
         dist.all_reduce(costs, op=dist.ReduceOp.MAX)
@@ -1758,9 +1682,8 @@ class RecomputeProbe(Operation):
             self.layers[layer].gradient_checkpointing = True
             self.clean_steps = 0
             line = f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations:"
-            print0(
-                self.job.d.rank, f"{line} recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
-            )
+            line += f" recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
+            print0(self.job.d.rank, line)
         return self.clean_steps >= AUTO_RECOMPUTE_WATCH_STEPS
 
 
@@ -1780,7 +1703,6 @@ def alloc_retries() -> int:
 
 
 # ---- Metrics and MLflow ------------------------------------------------------------------------------------------
-
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
@@ -1813,9 +1735,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
             import mlflow
 
             run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
-            params = {k: str(v) for k, v in dataclasses.asdict(cfg).items()}
             # MLflow params cannot change: a resumed run logs only the ones its run does not have yet.
-            mlflow.log_params({k: v for k, v in params.items() if k not in run.data.params})
+            mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items() if k not in run.data.params})
             self.mlflow = mlflow
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
@@ -1862,26 +1783,17 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
-        r = {
-            "step": step,
-            "total_steps": job.total_steps,
-            "loss": self.loss_sum.item() / max(c["loss_tokens"], 1),
-            "lr": self.lr,  # the last step's
-            "grad_norm": self.grad_norm.item(),
-            "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks,
-            "loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks,
-            "non_padding_fraction": c["tokens"] / capacity,
-            "loss_token_fraction": c["loss_tokens"] / capacity,
-            "mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None,
-            "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib(),
-            "data_wait_s": float(stalls[0]),  # the window's time waiting for blocks, on the rank that waited longest
-            "alloc_retries": int(stalls[1]),  # since the start: CUDA caching-allocator retries, the most on a rank
-            "eta_s": (job.total_steps - step) * seconds / c["steps"],
-            "skipped_records": int(skips[0]),
-            "bad_steps": job.progress.bad_steps,
-            "elapsed_s": now - self.start,
-            "time": time.time(),
-        }
+        r = {"step": step, "total_steps": job.total_steps, "loss": self.loss_sum.item() / max(c["loss_tokens"], 1)}
+        r |= {"lr": self.lr, "grad_norm": self.grad_norm.item()}  # lr: the last step's
+        r |= {"tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
+        r |= {"loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks}
+        r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
+        r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
+        r |= {"memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib()}
+        r |= {"data_wait_s": float(stalls[0])}  # the window's time waiting for blocks, on the rank that waited longest
+        r |= {"alloc_retries": int(stalls[1])}  # since the start: CUDA caching-allocator retries, the most on a rank
+        r |= {"eta_s": (job.total_steps - step) * seconds / c["steps"], "skipped_records": int(skips[0])}
+        r |= {"bad_steps": job.progress.bad_steps, "elapsed_s": now - self.start, "time": time.time()}
         mfu, u, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device, int(r["eta_s"])
         speed = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/{u} | {r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{u}"
         line = f"step {step}/{job.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f}"
@@ -2024,7 +1936,6 @@ class RunLock(contextlib.AbstractContextManager):
             threading.Thread(target=self.refresh, name="run-lock", daemon=True).start()
 
     def acquire(self) -> None:
-        """Takes the lock, or names who holds it."""
         try:  # a lock file that cannot be read (written halfway by a writer that died) is no lock
             holder = json.loads(self.path.read_text())
             age, host, pid = time.time() - self.path.stat().st_mtime, holder["host"], int(holder["pid"])
@@ -2033,11 +1944,9 @@ class RunLock(contextlib.AbstractContextManager):
         if holder:
             pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))  # own pid: a restart
             if not pid_gone and age < self.STALE_S:
-                raise UserError(
-                    f"output_dir {self.path.parent} is in use by another run (host {host}, pid {pid}, started "
-                    f"{holder.get('started')}, alive {age:.0f}s ago): use another output_dir, or remove "
-                    f"{self.path} if that run is gone"
-                )
+                who = f"host {host}, pid {pid}, started {holder.get('started')}, alive {age:.0f}s ago"
+                fix = f"use another output_dir, or remove {self.path} if that run is gone"
+                raise UserError(f"output_dir {self.path.parent} is in use by another run ({who}): {fix}")
             print(f"taking over the lock of a run that is gone: {holder}", flush=True)
         tmp = self.path.with_name(f"run.lock.{self.me['run']}")
         tmp.write_text(json.dumps(self.me))
@@ -2122,14 +2031,12 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
     if why == "stopped":
         raise Interrupted(f"stopped by SIGTERM after step {step}; the newest checkpoint is {newest_checkpoint(cfg)}")
     if why == "diverged":
-        raise UserError(
-            f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}: stopping. "
-            f"The last checkpoint is {newest_checkpoint(cfg)}; lower learning_rate or look at the data"
-        )
+        bad = f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}"
+        fix = f"The last checkpoint is {newest_checkpoint(cfg)}; lower learning_rate or look at the data"
+        raise UserError(f"{bad}: stopping. {fix}")
 
 
 # ---- The Hugging Face export -------------------------------------------------------------------------------------
-
 # A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
 chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spiece.model tekken.json""".split()

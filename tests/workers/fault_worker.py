@@ -10,8 +10,8 @@ kill-at-N: every rank SIGKILLs itself in step N's hook (after its backward, befo
 preempted node would die, with whatever checkpoint write was in flight;
 sigterm-launcher-at-N: rank 0 sends SIGTERM to torchrun in step N, as a scheduler stopping the job would;
 kill-launcher-at-N: rank 0 SIGKILLs torchrun alone in step N; the steps after it take 0.5 s each;
-stop-rank1-once-at-N, kill-rank1-once-at-N: rank 1 SIGSTOPs (hangs) or SIGKILLs itself in step N of the first
-attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would; kill-rank1-at-N: in every attempt;
+stop-rankR-once-at-N, kill-rankR-once-at-N: rank R SIGSTOPs (hangs) or SIGKILLs itself in step N of the first
+attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would; kill-rankR-at-N: in every attempt;
 slow-waits: rank 1's first step and checkpoint writes, and rank 0's end of the export, each take 1.5
 collective_timeout_s longer (a first step's compile, a slow volume).
 """
@@ -40,10 +40,10 @@ def inject(step, model, loss_sum, blocks):
         os.kill(os.getppid(), signal.SIGTERM if fault.startswith("sigterm") else signal.SIGKILL)
     if fault.startswith("kill-launcher-at-") and step > int(fault.rsplit("-", 1)[1]):
         time.sleep(0.5)
-    if rank == 1 and fault in (f"stop-rank1-once-at-{step}", f"kill-rank1-once-at-{step}") and not once.exists():
+    if fault in (f"stop-rank{rank}-once-at-{step}", f"kill-rank{rank}-once-at-{step}") and not once.exists():
         once.write_text(fault)
         os.kill(os.getpid(), signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
-    if rank == 1 and fault == f"kill-rank1-at-{step}":
+    if fault == f"kill-rank{rank}-at-{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1 and fault == "slow-waits" and step == 1:
         time.sleep(1.5 * settings["collective_timeout_s"])
