@@ -347,9 +347,8 @@ class AssistantMasker:
             raise Skip("reasoning the template does not render (set reasoning: drop)")
         # A tool-call-only turn's empty content gets no placeholder: templates render calls differently after one.
         slots = []  # (message index, placeholder, its text) in the order a template renders them
-        skeleton_messages = []  # the messages with the placeholders in place of their texts
+        skeleton_messages = [dict(m) for m in messages]  # the messages with the placeholders in place of their texts
         for i, m in enumerate(messages):
-            skeleton_messages.append(dict(m))
             if self.renders_reasoning and m["role"] == "assistant" and (m.get("reasoning_content") or "").strip():
                 slots.append((i, f"\ue000r{i}\ue001", m["reasoning_content"]))
                 skeleton_messages[i]["reasoning_content"] = slots[-1][1]
@@ -379,8 +378,7 @@ class AssistantMasker:
             if holder[1] == "r":
                 reasoning_at[i] = pos  # the span of a turn with rendered reasoning starts with it
             elif messages[i]["role"] == "assistant" and i not in skip:
-                end = self.end_of_turn(after)
-                if end is None:
+                if (end := self.end_of_turn(after)) is None:
                     raise Skip("no end-of-turn token after an assistant turn")
                 spans.append((reasoning_at.get(i, pos), pos + len(value) + end))
             pos += len(value)
@@ -510,6 +508,7 @@ class StreamPosition:
     counts_at_start: dict
     counts_at_end: dict
     taken: int = 0  # blocks taken from the buffer, this one included
+    carried: tuple = ()  # (record, sample) of the samples it began with: the last buffer's emptiest block
 
 
 class PackedBlocks(IterableDataset):
@@ -533,51 +532,73 @@ class PackedBlocks(IterableDataset):
         counts = Counter(at.counts_at_start)
         for epoch in range(at.epoch, self.epochs):
             first, n_buffer, skip = (at.record, at.buffer, at.taken) if epoch == at.epoch else (0, 0, 0)
+            carried = tuple(at.carried) if epoch == at.epoch else ()
             # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
             tally = counts if epoch == 0 else Counter()
             records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, tally)
             if cfg.eval_fraction:  # records held out by a seeded hash of the index: the same on any ranks, each epoch
                 eval_part, cut = self.part == "eval", cfg.eval_fraction * 2**32
                 records = ((i, r) for i, r in records if (zlib.crc32(f"{cfg.seed}/{i}".encode()) < cut) == eval_part)
-            buffer, buffered, start_counts = [], 0, dict(counts)
+            buffer, names = self.read_again(carried, source, split, shard, num_shards), list(carried)
+            buffered, start_counts = sum(len(ids) for ids, _ in buffer), dict(counts)
             for index, samples in tokenize_stream(records, masker, cfg, tally):  # a record's samples share a buffer
                 buffer += samples
+                names += [(index, k) for k in range(len(samples))]
                 buffered += sum(len(ids) for ids, _ in samples)
                 if buffered >= cfg.pack_buffer_blocks * cfg.max_seq_len:
-                    where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
-                    yield from self._pack(buffer, pad_id, shard, where, skip)
-                    buffer, buffered, first, n_buffer, skip = [], 0, index + 1, n_buffer + 1, 0
-                    start_counts = dict(counts)
-            where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts))
-            yield from self._pack(buffer, pad_id, shard, where, skip)
+                    where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts), carried=carried)
+                    waiting = yield from self._pack(buffer, pad_id, shard, where, skip, carry=True)
+                    buffer, names = [buffer[i] for i in waiting], [names[i] for i in waiting]
+                    buffered, carried = sum(len(ids) for ids, _ in buffer), tuple(names)
+                    first, n_buffer, skip, start_counts = index + 1, n_buffer + 1, 0, dict(counts)
+            where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts), carried=carried)
+            yield from self._pack(buffer, pad_id, shard, where, skip, carry=False)  # an epoch ends with its buffer
         # The stream's end: an item without a block that carries its final counts (a rank whose records were all
         # skipped makes no block, yet its counts must reach the totals). Resumed from, it starts past the last epoch.
         yield {"position": StreamPosition(slot, self.epochs, 0, 0, dict(counts), dict(counts))}
 
-    def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int):
+    def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int, carry: bool):
+        """Yields the buffer's blocks in a seeded order but the emptiest: carry returns its members for the next
+        buffer, else it comes last. So the only sparse block of a stream ends an epoch."""
         bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
+        emptiest = min(bins, key=lambda b: sum(len(buffer[i][0]) for i in b), default=[])
+        bins = [b for b in bins if b is not emptiest]
         random.Random(str((self.cfg.seed, shard, where.epoch, where.buffer))).shuffle(bins)
+        if emptiest and not carry:
+            bins.append(emptiest)
         for n, members in enumerate(bins[skip:], skip + 1):
             block = make_block([buffer[i] for i in members], self.cfg.max_seq_len, pad_id)
             yield {**block, "position": dataclasses.replace(where, taken=n)}
+        return sorted(emptiest) if carry else []
+
+    def read_again(self, carried: tuple, source: str, split: str, shard: int, num_shards: int) -> list:
+        """A resumed buffer's carried samples, from their records (before its first one); their counts were taken."""
+        wanted, found = {record for record, _ in carried}, {}
+        if not wanted:
+            return []
+        records = read_records(source, split, self.cfg.dataset_revision, shard, num_shards, min(wanted), Counter())
+        masker = AssistantMasker(self.tok)
+        for index, samples in tokenize_stream(((i, r) for i, r in records if i in wanted), masker, self.cfg, Counter()):
+            found[index] = samples
+            if len(found) == len(wanted):
+                break
+        return [found[record][k] for record, k in carried]
 
 
 def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
     blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume)
     # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
     extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
-    extra = extra if cfg.num_workers else {}
-    pinned = torch.cuda.is_available()
-    return DataLoader(blocks, batch_size=None, num_workers=cfg.num_workers, pin_memory=pinned, **extra)
+    pinned, workers = torch.cuda.is_available(), cfg.num_workers
+    return DataLoader(blocks, batch_size=None, num_workers=workers, pin_memory=pinned, **(extra if workers else {}))
 
 
 def load_tokenizer(cfg: Config):
-    import transformers  # here and below imported where used: it reads HF_HOME and HF_HUB_OFFLINE when imported
+    from transformers import AutoTokenizer  # here and below imported where used: it reads HF_HOME and HF_HUB_OFFLINE
 
     name = cfg.tokenizer_name or cfg.model_name
     revision = (cfg.model_revision or None) if not cfg.tokenizer_name and not Path(name).exists() else None
-    auto = transformers.AutoTokenizer
-    load = partial(auto.from_pretrained, name, revision=revision, trust_remote_code=cfg.trust_remote_code)
+    load = partial(AutoTokenizer.from_pretrained, name, revision=revision, trust_remote_code=cfg.trust_remote_code)
     return from_hub(load, name)
 
 
@@ -599,11 +620,10 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 
 def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
     """The model's config, its cache off."""
-    import transformers
+    from transformers import AutoConfig
 
     revision = None if Path(name).exists() else revision or None
-    auto = transformers.AutoConfig
-    load = partial(auto.from_pretrained, name, revision=revision, trust_remote_code=trust_remote_code)
+    load = partial(AutoConfig.from_pretrained, name, revision=revision, trust_remote_code=trust_remote_code)
     config = from_hub(load, str(name))
     # With a cache, transformers derives no block-diagonal mask from position_ids: packed conversations would mix.
     config.use_cache = config.get_text_config().use_cache = False
@@ -653,9 +673,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     dtypes = getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in [*layers, model]:  # each decoder layer, then the root
+        fully_shard(module, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     # Buffers (rotary inv_freq) are in no checkpoint: the model's initialiser computes them, as transformers does.
     for module in model.modules():
@@ -833,15 +852,19 @@ class StepStats:
     lr: float = 0.0
 
 
+def all_reduced(values, d: Dist, op=dist.ReduceOp.SUM, dtype=None) -> torch.Tensor:
+    """values as a tensor on this rank's device (a tensor already there: itself), reduced in place over all ranks."""
+    tensor = torch.as_tensor(values, dtype=dtype, device=d.device)
+    dist.all_reduce(tensor, op=op)
+    return tensor
+
+
 def global_counts(blocks: list[dict], d: Dist) -> StepStats:
     """The step's counts over all ranks: the loss normaliser must be known before the first backward."""
-    keys = ("loss_tokens", "tokens", "sum_sq_len")
-    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in keys)] for b in blocks]
+    rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in ("loss_tokens", "tokens", "sum_sq_len"))] for b in blocks]
     local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
-    max_blocks = local[:1].clone()
-    dist.all_reduce(max_blocks, op=dist.ReduceOp.MAX)
-    dist.all_reduce(local)
-    return StepStats(int(max_blocks), *(int(v) for v in local.tolist()))
+    max_blocks = all_reduced(local[:1].clone(), d, dist.ReduceOp.MAX)
+    return StepStats(int(max_blocks), *(int(v) for v in all_reduced(local, d).tolist()))
 
 
 def to_device(block: dict, device: torch.device) -> dict:
@@ -959,8 +982,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     filler = filler_block(pad_token_id(tokenizer))
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
     with MetricsLog(cfg, d, model, packing) as log:
-        has_eval = cfg.eval_split or cfg.eval_fraction
-        evaluator = Evaluator(cfg, tokenizer, d, filler, log) if has_eval else Operation()
+        evaluator = Evaluator(cfg, tokenizer, d, filler, log) if cfg.eval_split or cfg.eval_fraction else Operation()
         with stop_on_sigterm():
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
@@ -975,9 +997,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
 
 
 def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
-    """The whole job in this rank's process, from main() or a notebook's @distributed function. config: a Config, a dict
-    or a YAML path; step_hook(step, model, loss_sum, blocks) runs after each backward (blocks: this rank's) and
-    may replace the loss sum."""
+    """This rank's whole job, from main() or a notebook's @distributed function. config: a Config, a dict or YAML path;
+    step_hook(step, model, loss_sum, blocks), after each backward (blocks: this rank's), may replace the loss sum."""
     if isinstance(config, (str, Path)):
         config = load_config(yaml_source(config, "train()"))
     elif not isinstance(config, Config):
@@ -1042,11 +1063,9 @@ def check_settings(cfg: Config) -> None:
         elif key in RANGES and not RANGES[key][0](value):
             need = RANGES[key][1]
         elif key == "activation_checkpointing" and value != "auto":
-            try:
-                share = recompute_share(value)
-            except ValueError:
-                share = math.nan  # not a number
-            need = None if 0 <= share <= 1 else "auto, or a share in [0, 1]"
+            need = "auto, or a share in [0, 1]"
+            with contextlib.suppress(ValueError):  # not a number: need stays
+                need = None if 0 <= recompute_share(value) <= 1 else need
         if need:
             raise UserError(f"bad configuration: {key} must be {need}, got {value!r}")
     if cfg.eval_split and cfg.eval_fraction:
@@ -1218,8 +1237,7 @@ def require_kernels(config) -> None:
     if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
         return
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
-    missing = " and ".join(pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None)
-    if missing:
+    if missing := " and ".join(pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None):
         fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
@@ -1247,8 +1265,7 @@ def check_data(cfg: Config, part: str) -> None:
         raise UserError(f"data file {source} does not exist")
     counts = Counter()
     try:  # datasets raises ValueError for a split or configuration the dataset lacks, OSError for what it cannot reach
-        records = read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts)
-        first = [r for _, r in itertools.islice(records, 64)]
+        first = [r for _, r in itertools.islice(read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts), 64)]
     except (ValueError, OSError) as e:
         first_line = str(e).strip().split("\n")[0]
         raise UserError(f"cannot read dataset {source} [{split}]: {first_line}") from e
@@ -1353,13 +1370,11 @@ def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
 # ---- Checkpoints and resume --------------------------------------------------------------------------------------
 def complete_checkpoints(cfg: Config) -> list[Path]:
     """The checkpoints every rank finished, oldest first: rank 0 writes complete.json last, after a barrier."""
-    root = Path(cfg.output_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / "complete.json").exists())
+    return sorted(p for p in (Path(cfg.output_dir) / "checkpoints").glob("step_*") if (p / "complete.json").exists())
 
 
 def newest_checkpoint(cfg: Config) -> str:
-    never = "none (save_every: -1)" if cfg.save_every < 0 else "none"
-    return str((complete_checkpoints(cfg) or [never])[-1])
+    return str((complete_checkpoints(cfg) or ["none (save_every: -1)" if cfg.save_every < 0 else "none"])[-1])
 
 
 def checkpoint_meta(path: Path) -> dict:
@@ -1413,9 +1428,8 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
         raise UserError(f"{path} was written by {ranks} ranks; resume with as many, or use another output_dir")
     if fixed := fixed_on_resume(meta["config"], cfg):
         changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
-        why = "a resumed run keeps the data layout, the batch and the optimizer of its checkpoint"
-        fix = "Restore them, or use another output_dir"
-        raise UserError(f"{path} was written with other {sorted(fixed)} ({changes}): {why}. {fix}")
+        line = f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the"
+        raise UserError(f"{line} batch and the optimizer of its checkpoint. Restore them, or use another output_dir")
     if changed := {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
@@ -1443,9 +1457,7 @@ def walk_tensors(value, fn, key: tuple = ()):
         return {k: walk_tensors(v, fn, (*key, k)) for k, v in value.items()}
     if isinstance(value, list):
         return [walk_tensors(v, fn, (*key, i)) for i, v in enumerate(value)]
-    if isinstance(value, torch.Tensor):
-        return fn(key, value)
-    return value
+    return fn(key, value) if isinstance(value, torch.Tensor) else value
 
 
 class Checkpointer(Operation, AsyncStager):
@@ -1470,11 +1482,8 @@ class Checkpointer(Operation, AsyncStager):
             print0(job.d.rank, f"{line} GiB on this node of {node:.0f} GiB{warn}")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
-        if self.pending and self.pending[0]:
-            running = torch.tensor(int(not self.pending[0].done()), device=job.d.device)
-            dist.all_reduce(running)
-            if not running:
-                self.finish()
+        if self.pending and self.pending[0] and not all_reduced(int(not self.pending[0].done()), job.d):
+            self.finish()  # no rank's background write is still running
         self.prepare()
         if self.due(job.progress.step) and job.progress.step < job.total_steps:
             self.save()
@@ -1537,8 +1546,7 @@ class Checkpointer(Operation, AsyncStager):
 
     def buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         """A tensor's host buffer, pinned in place on GPUs (PyTorch's pinned allocator rounds up to a power of 2)."""
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+        if (buffer := self.buffers.get(key)) is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
             buffer = torch.empty(like.shape, dtype=like.dtype)
             if self.job.d.device.type == "cuda" and buffer.nbytes:
                 cudart = torch.cuda.cudart()
@@ -1594,8 +1602,7 @@ class Checkpointer(Operation, AsyncStager):
 
 
 # ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
-# The share of a GPU's memory auto leaves unplanned: fragmentation, and peaks step 2 does not show (NCCL's buffers).
-AUTO_RECOMPUTE_MARGIN = 0.1
+AUTO_RECOMPUTE_MARGIN = 0.1  # the GPU memory share auto leaves unplanned: fragmentation, peaks step 2 misses (NCCL's)
 AUTO_RECOMPUTE_WATCH_STEPS = 10  # steps in a row without an allocator retry that end RecomputeProbe.watch
 
 
@@ -1651,15 +1658,12 @@ class RecomputeProbe(Operation):
             self.watching = not self.watch()
 
     def decide(self) -> None:
-        d, gib = self.job.d, 2**30
+        d, gib, n = self.job.d, 2**30, len(self.layers)
         free, total = torch.cuda.mem_get_info()
         limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
         usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
-        room = torch.tensor(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, dtype=torch.float64, device=d.device)
-        costs = torch.tensor([*self.bytes, *self.seconds], dtype=torch.float64, device=d.device)
-        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-        dist.all_reduce(room, op=dist.ReduceOp.MIN)
-        n = len(self.layers)
+        costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
+        room = all_reduced(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, d, dist.ReduceOp.MIN, torch.float64)
         sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
         self.kept = layers_to_keep(sizes, seconds, room.item())
         for i in self.kept:
@@ -1674,8 +1678,7 @@ class RecomputeProbe(Operation):
     def watch(self) -> bool:
         """After a step with allocator retries, the kept layer that saves the least per byte is recomputed."""
         retries = alloc_retries()
-        new = torch.tensor(retries - self.retries, device=self.job.d.device)
-        dist.all_reduce(new, op=dist.ReduceOp.MAX)
+        new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX)
         self.retries, self.clean_steps = retries, self.clean_steps + 1
         if new.item() and self.kept:
             layer = self.kept.pop()
@@ -1759,7 +1762,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         flops = 6 * self.n_matmul * stats.tokens + self.attn_per_sq * stats.sum_sq_len
         self.window.update(steps=1, flops=flops, blocks=stats.blocks, tokens=stats.tokens)
         self.window["data_wait_s"] += stats.data_wait_s
-        self.grad_norm, self.lr = stats.grad_norm, stats.lr
+        self.grad_norm, self.lr = stats.grad_norm, stats.lr  # the log's: the last step's, not a mean over the window
         if job.progress.step % self.cfg.log_every == 0 or job.progress.step == job.total_steps:
             self.flush(job)
 
@@ -1774,18 +1777,15 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         data = job.progress.stream_counts()
         reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
         skipped = sum(reasons.values())
-        skips = torch.tensor([skipped, skipped + data["conversations"]], device=self.d.device)
-        dist.all_reduce(skips)
+        skips = all_reduced([skipped, skipped + data["conversations"]], self.d)
         dist.all_reduce(self.loss_sum)
         # A rank that waits for data, or for CUDA's allocator to free its cache and retry, stalls them all.
         retries = alloc_retries() if self.d.device.type == "cuda" else 0
-        stalls = torch.tensor([self.window["data_wait_s"], retries], dtype=torch.float64, device=self.d.device)
-        dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
+        stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
         r = {"step": step, "total_steps": job.total_steps, "loss": self.loss_sum.item() / max(c["loss_tokens"], 1)}
-        r |= {"lr": self.lr, "grad_norm": self.grad_norm.item()}  # lr: the last step's
-        r |= {"tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
+        r |= {"lr": self.lr, "grad_norm": self.grad_norm.item(), "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
         r |= {"loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks}
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
         r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
@@ -1859,8 +1859,7 @@ class Evaluator(Operation):
         model.eval()
         loss_sum = run_blocks(model, self.blocks, self.n_micro, self.filler, self.cfg, self.d, scale=None)
         model.train()
-        dist.all_reduce(loss_sum)
-        self.last_loss = loss_sum.item() / self.loss_tokens
+        self.last_loss = all_reduced(loss_sum, self.d).item() / self.loss_tokens
         print0(self.d.rank, f"eval step {step} | loss {self.last_loss:.4f}")
         self.log.write({"step": step, "eval_loss": self.last_loss})
 
@@ -1913,7 +1912,8 @@ class HangWatch(Operation):
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
     """A fault under torchrun: the workers restart (--max-restarts) and resume, or on the last attempt the job ends."""
-    attempt, restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    env = os.environ.get
+    attempt, restarts = int(env("TORCHELASTIC_RESTART_COUNT", "0")), int(env("TORCHELASTIC_MAX_RESTARTS", "0"))
     fault = f"rank {d.rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
     if attempt < restarts:
         return f"{fault}\nattempt {attempt + 1} of {restarts + 1} failed: torchrun restarts the workers, which resume"
@@ -1987,9 +1987,7 @@ class Interrupted(Exception):
 
 def stop_requested(d: Dist) -> bool:
     """Whether any rank got SIGTERM (the loop then stops): the same answer on every rank."""
-    stop = torch.tensor(float(STOP.is_set()), device=d.device)
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    return bool(stop)
+    return bool(all_reduced(float(STOP.is_set()), d, dist.ReduceOp.MAX))
 
 
 @contextlib.contextmanager
@@ -2074,8 +2072,7 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
     dist.barrier()
     if d.rank == 0:
         shutil.rmtree(out / "sharded")
-        extra = sorted(set(source_dtypes) - set(state))
-        if extra:  # e.g. mtp.*: copied as they are, into a file of their own listed in the index
+        if extra := sorted(set(source_dtypes) - set(state)):  # e.g. mtp.*: copied as is, to an indexed file of its own
             tensors = {}
             for name in extra:
                 with safe_open(source / source_files.get(name, "model.safetensors"), "pt") as f:

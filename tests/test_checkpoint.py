@@ -197,6 +197,25 @@ def test_a_stream_stopped_after_an_odd_number_of_blocks_resumes_on_the_same_bloc
     assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
 
 
+def test_a_stream_stopped_in_a_buffer_that_began_with_carried_samples_resumes_on_the_same_blocks(tokenizer):
+    """A buffer begins with the last one's emptiest block (StreamPosition.carried): a stream stopped after its first
+    block must read those samples again from their records, before the buffer's first, and pack the same blocks."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=0)
+
+    def blocks(progress, resume=None, n=None):
+        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
+        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+
+    whole = blocks(train.Progress())
+    positions = [b["position"] for b in train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1) if "input_ids" in b]
+    stop = next(n for n, p in enumerate(positions, 1) if p.carried and p.taken == 1 and p.buffer >= 2)
+    stopped = train.Progress()
+    first = blocks(stopped, n=stop)
+    assert stopped.streams[0].carried and stopped.streams[0].record > max(r for r, _ in stopped.streams[0].carried)
+    rest = blocks(train.Progress(), resume=stopped)
+    assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
+
+
 @pytest.mark.distributed
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_model_dir, straight, tmp_path):
     """Saves at steps 3 and 6 run in the background (async_save); step 3's completes during step 4. Every rank

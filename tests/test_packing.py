@@ -105,6 +105,19 @@ def test_best_fit_decreasing_fills_at_least_95_percent_on_ultrachat_like_lengths
     assert fill >= 0.95, fill
 
 
+def test_each_buffers_emptiest_block_waits_for_the_next_buffer_so_only_the_streams_last_is_sparse(tokenizer):
+    """Buffers of 2 blocks' worth: packed alone, every buffer would end in a sparse block (the fill then falls to
+    0.18); carried into the next buffer, every block but the stream's last is at least 70% full, fewer blocks hold
+    the same conversations, and each of those is in exactly one block."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, pack_buffer_blocks=2)
+    blocks = [b for b in train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1) if "input_ids" in b]
+    fills = [b["tokens"] / cfg.max_seq_len for b in blocks]
+    assert min(fills[:-1]) >= 0.7 and fills[-1] < 0.7 and len(blocks) <= 80, (len(blocks), min(fills[:-1]))
+    assert sum(bool(b["position"].carried) for b in blocks) > len(blocks) / 2
+    seen = Counter(tuple(b["input_ids"][0, x:y].tolist()) for b in blocks for x, y in segments(b))
+    assert sum(seen.values()) == 200 and max(seen.values()) == 1
+
+
 def test_disjoint_shards_cover_the_data_once(tokenizer):
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048)
     seen = Counter()

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Mutant:
     name: str
-    claim: str  # masks, packing, resume, loss, export
+    claim: str  # masks, packing, resume, loss, export, faults
     old: str
     new: str
     tests: list[str]  # pytest's arguments (files, -k filters), run in the mutated copy
@@ -95,6 +95,26 @@ MUTANTS = [
     Mutant("export-no-end-of-turn-eos", "export",
            "        eos.add(ids[max(i for i, m in enumerate(mask) if m)])", "",
            ["tests/test_checkpoint.py", "-k", "export_of_a_base_model"]),
+    Mutant("resume-forgets-the-carried", "resume",
+           "        wanted, found = {record for record, _ in carried}, {}", "        wanted, found = set(), {}",
+           ["tests/test_checkpoint.py", "-k", "carried"]),
+    Mutant("packing-no-carry", "packing",
+           "waiting = yield from self._pack(buffer, pad_id, shard, where, skip, carry=True)",
+           "waiting = yield from self._pack(buffer, pad_id, shard, where, skip, carry=False)",
+           ["tests/test_packing.py", "-k", "emptiest"]),
+    # Faults mid-run
+    Mutant("faults-shared-keys-on-restart", "faults",
+           "    if env(\"TORCHELASTIC_USE_AGENT_STORE\") != \"True\":", "    if True:",
+           ["tests/test_checkpoint.py", "-k", "restarts_inside and kill"]),
+    Mutant("faults-short-timeout-in-step-1", "faults",
+           "        self.job, self.done, self.last = job, threading.Event(), None",
+           "        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))\n"
+           "        self.job, self.done, self.last = job, threading.Event(), None",
+           ["tests/test_checkpoint.py", "-k", "longer_than and True"]),
+    Mutant("faults-saves-on-the-training-group", "faults",
+           "            dcp.save(state, checkpoint_id=str(path), process_group=self.group)",
+           "            dcp.save(state, checkpoint_id=str(path))",
+           ["tests/test_checkpoint.py", "-k", "longer_than and False"]),
 ]  # fmt: skip
 
 
