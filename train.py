@@ -143,6 +143,7 @@ class Config:
 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
+NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
 
 
 @dataclasses.dataclass
@@ -169,10 +170,8 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
         how = {"store": attempt_store(world_size)} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
         device_id = device if backend == "nccl" else None
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
-            nccl = dict(
-                TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1"
-            )
-            for key, value in (nccl | {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}).items():
+            traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}
+            for key, value in (NCCL_ON_TIMEOUT | traces).items():
                 os.environ.setdefault(key, value)  # a user's own setting wins
             with contextlib.suppress(OSError):  # check_output_dir says it in one line
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
@@ -186,15 +185,14 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
 
 def attempt_store(world_size: int):
     """torchrun's store under this attempt's keys: it outlives a restart of the workers, and a restarted rank would
-    read the failed attempt's addresses (torch's env:// does not keep attempts apart). None: rank 0 hosts a new one."""
+    read the failed attempt's addresses (torch's env:// does not keep attempts apart). None: rank 0 hosts a new one.
+    Refused for restarts over several nodes: each torchrun counts its own, so their keys would differ."""
     env = os.environ.get
     if env("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     if int(env("TORCHELASTIC_MAX_RESTARTS", "0")) and world_size > int(env("LOCAL_WORLD_SIZE", world_size)):
-        raise UserError(  # each node counts its own restarts: their keys would differ
-            "torchrun --max-restarts over several nodes needs a new store per attempt: --rdzv-backend c10d with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (as the workloads' torchrun)"
-        )
+        fix = "--rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (as the workloads' torchrun)"
+        raise UserError(f"torchrun --max-restarts over several nodes needs a new store per attempt: {fix}")
     store = dist.TCPStore(env("MASTER_ADDR"), int(env("MASTER_PORT")), world_size, False, timeout=STARTUP_TIMEOUT)
     return dist.PrefixStore(f"attempt_{env('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
@@ -287,7 +285,6 @@ def parsed_arguments(call):
 
 
 def check_conversation(messages) -> None:
-    """Raises Skip for a conversation that cannot be trained on."""
     if not isinstance(messages, list) or not messages:
         raise Skip("messages not a non-empty list")
     for m in messages:
@@ -439,7 +436,6 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
 
 
 def skip_reasons(counts: dict) -> dict:
-    """The skipped records by reason, from a stream's counts."""
     return {k: v for k, v in counts.items() if k not in ("conversations", "truncated", EXTRA_SAMPLES)}
 
 
@@ -582,6 +578,8 @@ class PackedBlocks(IterableDataset):
             found[index] = samples
             if len(found) == len(wanted):
                 break
+        if lost := sorted(wanted - found.keys()):  # the data changed since the checkpoint was written
+            raise UserError(f"{source}: records {lost[:5]}, carried into the resumed buffer, no longer train")
         return [found[record][k] for record, k in carried]
 
 
@@ -619,7 +617,6 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 
 
 def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
-    """The model's config, its cache off."""
     from transformers import AutoConfig
 
     revision = None if Path(name).exists() else revision or None
@@ -665,9 +662,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         # The MLPs only: ~70% of the matmul FLOPs, and compiled (the casts fuse). Weights keep their dtype and names.
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        recipe = Float8LinearConfig.from_recipe_name("rowwise")
         for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith("MLP")):
-            convert_to_float8_training(module, config=recipe)
+            convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("rowwise"))
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -677,9 +673,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         fully_shard(module, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     # Buffers (rotary inv_freq) are in no checkpoint: the model's initialiser computes them, as transformers does.
-    for module in model.modules():
-        if module._buffers:
-            model._init_weights(module)
+    for module in (m for m in model.modules() if m._buffers):
+        model._init_weights(module)
     # token_losses skips model.forward: registered, FSDP all-gathers the root's parameters around it too.
     model.token_losses = token_losses.__get__(model)
     register_fsdp_forward_method(model, "token_losses")
@@ -689,10 +684,9 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
 def compile_elementwise(layers) -> None:
     """torch.compile the layers' norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    for layer in layers:
-        for module in layer.modules():
-            if type(module).__name__.endswith(("RMSNorm", "RMSNormGated", "MLP")):
-                module.compile(dynamic=False)
+    kinds = ("RMSNorm", "RMSNormGated", "MLP")
+    for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith(kinds)):
+        module.compile(dynamic=False)
 
 
 def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
@@ -729,11 +723,10 @@ def packed_inputs(block: dict) -> dict:
 
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks."""
-    hidden = model.model(**packed_inputs(block)).last_hidden_state[0]
+    hidden, head = model.model(**packed_inputs(block)).last_hidden_state[0], model.get_output_embeddings()
     targets = block["labels"][0, 1:]
     where = (targets != -100).nonzero().squeeze(1)
     # A block without loss tokens still runs HeadLoss, keeping FSDP's backward hooks connected: an exact 0 loss.
-    head = model.get_output_embeddings()
     return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled())
 
 
@@ -749,7 +742,7 @@ class HeadLoss(torch.autograd.Function):
         for start in range(0, len(targets), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h, y = hidden[rows], targets[rows]
-            log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # the chunk's largest tensor
+            log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # 4 GB at 4,096 tokens x 248k vocabulary
             losses[rows] = -log_probs.gather(1, y[:, None]).squeeze(1)
             if with_grads:
                 softmax = log_probs.exp_()  # in place: the same tensor
@@ -758,9 +751,7 @@ class HeadLoss(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits @ weight
                 grad_weight.addmm_(grad_logits.T, h)
                 del softmax, grad_logits
-            # Freed before the next chunk allocates its own: the peak holds one chunk's tensors, not two (at 4,096
-            # tokens and a 248k vocabulary, 4 GB in fp32 and 2 GB in bf16).
-            del log_probs
+            del log_probs  # before the next chunk allocates its own: the peak holds one chunk's tensors, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         return losses
 
@@ -983,12 +974,12 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
     with MetricsLog(cfg, d, model, packing) as log:
         evaluator = Evaluator(cfg, tokenizer, d, filler, log) if cfg.eval_split or cfg.eval_fraction else Operation()
-        with stop_on_sigterm():
+        with stop_on_sigterm(), HangWatch(job) as watch:
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
             # First the watch, whose at_end gives the final save, eval and export the long timeout; the probe reads
             # step 2's peak before a save or eval.
-            operations = [HangWatch(job), log, probe, checkpoints, evaluator]
+            operations = [watch, log, probe, checkpoints, evaluator]
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
@@ -1005,10 +996,13 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         config = load_config(("train()", config or {}))
     d = setup_distributed(config.output_dir)
     try:
+        on_every_rank(partial(stopped_by_a_user_error, config, d), d)  # a restart after one stops at once
         with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
             return run(config, d, step_hook)
     except Exception as e:  # under torchrun, a fault (or a bug) also says what comes next
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, (UserError, Interrupted)):
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and isinstance(e, UserError):
+            stopped_by_a_user_error(config, d, e)
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, Interrupted):
             print(after_a_fault(e, config, d), file=sys.stderr, flush=True)
         raise
     finally:
@@ -1174,10 +1168,8 @@ def decided_by_rank_0(decide, failure: str, d: Dist):
     if d.rank == 0:
         try:
             outcome[0] = decide()
-        except UserError as e:
-            outcome[1] = str(e)
-        except (OSError, ValueError) as e:
-            outcome[1] = f"{failure}: {e}"
+        except (OSError, ValueError) as e:  # a UserError (a ValueError) as it is
+            outcome[1] = str(e) if isinstance(e, UserError) else f"{failure}: {e}"
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
         raise UserError(outcome[1])
@@ -1382,11 +1374,7 @@ def checkpoint_meta(path: Path) -> dict:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(2**20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # read whole: only files under 64 MiB are hashed (finish)
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -1438,6 +1426,8 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
     if "cuda" in saved["rng"]:
         torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
     state = saved["progress"]  # dataclasses.asdict of a Progress
+    if any("carried" not in p for p in state["streams"].values()):  # each buffer then packed alone: other blocks
+        raise UserError(f"{path} was written by a train.py that packed differently: resume it with that version")
     return Progress(**{**state, "streams": {s: StreamPosition(**p) for s, p in state["streams"].items()}})
 
 
@@ -1489,7 +1479,6 @@ class Checkpointer(Operation, AsyncStager):
             self.save()
 
     def at_end(self, job: Job, why: str) -> None:
-        """The final save (not of a run that diverged), and the end of the last write."""
         if why != "diverged" and job.cfg.save_every >= 0 and job.progress.step != self.saved_step:
             self.save()
         self.finish()
@@ -1607,7 +1596,6 @@ AUTO_RECOMPUTE_WATCH_STEPS = 10  # steps in a row without an allocator retry tha
 
 
 def recompute_is_measured(cfg, device: torch.device) -> bool:
-    """activation_checkpointing auto on a GPU: measured (RecomputeProbe)."""
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
@@ -1668,8 +1656,7 @@ class RecomputeProbe(Operation):
         self.kept = layers_to_keep(sizes, seconds, room.item())
         for i in self.kept:
             self.layers[i].gradient_checkpointing = False
-        self.retries = alloc_retries()
-        kept = sum(sizes[i] for i in self.kept)
+        self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
         each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
         line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
         line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
@@ -1681,9 +1668,8 @@ class RecomputeProbe(Operation):
         new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX)
         self.retries, self.clean_steps = retries, self.clean_steps + 1
         if new.item() and self.kept:
-            layer = self.kept.pop()
+            layer, self.clean_steps = self.kept.pop(), 0
             self.layers[layer].gradient_checkpointing = True
-            self.clean_steps = 0
             line = f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations:"
             line += f" recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
             print0(self.job.d.rank, line)
@@ -1815,8 +1801,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
                 for name, v in value.items() if isinstance(value, dict) else [("", value)]:
                     if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
                         flat[f"{key}/{name}" if name else key] = v
-            try:  # a tracking-server hiccup must not end a week-long run
-                self.mlflow.log_metrics(flat, step=record["step"])
+            try:  # a tracking-server hiccup must not end a week-long run, nor keep the other ranks waiting: queued
+                self.mlflow.log_metrics(flat, step=record["step"], synchronous=False)
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
@@ -1865,7 +1851,7 @@ class Evaluator(Operation):
 
 
 # ---- Hangs: a short collective timeout once training runs, and the ranks that went silent -----------------------
-class HangWatch(Operation):
+class HangWatch(Operation, contextlib.AbstractContextManager):
     """From this start's first step on, a collective that waits collective_timeout_s fails, so the rank exits and
     torchrun restarts the workers. Every rank beats in the process group's store; one kept waiting names the ranks
     that went silent (stopped, frozen, gone) and prints where it waits, before the timeout ends it."""
@@ -1873,41 +1859,58 @@ class HangWatch(Operation):
     BEAT_S = 5.0
 
     def __init__(self, job: Job):
-        self.job, self.done, self.last = job, threading.Event(), None  # last: when this rank's last step ended
+        self.job, self.done, self.last, self.said = job, threading.Event(), None, False  # last: this rank's last step
 
     def after_step(self, job: Job, stats: StepStats) -> None:
-        if self.last is None:
+        started, self.last, self.said = self.last is not None, time.monotonic(), False
+        if not started:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))
             threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
-        self.last = time.monotonic()
 
     def at_end(self, job: Job, why: str) -> None:
+        """Also on leaving its with, however: the final save, eval and export, a notebook's next run wait long again."""
         self.done.set()
-        if self.last is not None:  # the final save, eval and export may wait as long as the startup
+        if self.last is not None:
             dist.distributed_c10d._set_pg_timeout(STARTUP_TIMEOUT)
 
+    def __exit__(self, *exc) -> None:
+        self.at_end(self.job, "left")
+
     def watch(self, store) -> None:
-        d, timeout, said, pause = self.job.d, self.job.cfg.collective_timeout_s, False, 0.0
+        d, timeout, pause = self.job.d, self.job.cfg.collective_timeout_s, 0.0
         while not self.done.wait(pause):  # a beat now, then one every BEAT_S
             pause = self.BEAT_S
             with contextlib.suppress(RuntimeError):  # the store is gone with the run: so is the watch
                 store.set(f"beat/{d.rank}", str(time.time()))
             waited = time.monotonic() - self.last
-            if said or waited < 0.8 * timeout:
+            if self.said or waited < 0.8 * timeout:
                 continue
             now, keys = time.time(), [f"beat/{r}" for r in range(d.world_size)]
             beats = [float(store.get(k)) if store.check([k]) else None for k in keys]
             silent = [f"rank {r} ({'no beat' if t is None else f'{now - t:.0f} s'})" for r, t in enumerate(beats)]
             silent = [text for text, t in zip(silent, beats) if t is None or t < now - 2 * self.BEAT_S]
-            print(
-                f"rank {d.rank}: step {self.job.progress.step + 1} has not ended in {waited:.0f} s; silent ranks: "
-                f"{', '.join(silent) or 'none (each prints where it waits)'}; a training collective times out at "
-                f"{timeout:.0f} s (a save's at {STARTUP_TIMEOUT}). Where this rank waits:",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"rank {d.rank}: no step has ended for {waited:.0f} s (next: step {self.job.progress.step + 1}); "
+            line += f"silent ranks: {', '.join(silent) or 'none (each prints where it is)'}; a training collective"
+            line += f" times out at {timeout:.0f} s, a save waits up to {STARTUP_TIMEOUT}. Where this rank is:"
+            print(line, file=sys.stderr, flush=True)
             faulthandler.dump_traceback(sys.stderr)
-            said = True
+            self.said = True
+
+
+def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None) -> None:
+    """torchrun restarts on any exit: an attempt that stopped on a UserError leaves it in output_dir, and the next
+    raises it at once instead of loading again. The first attempt clears what an earlier job left."""
+    path, attempt = Path(cfg.output_dir) / "user_error.json", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if error or attempt == 0:
+        if d.rank == 0:
+            with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
+                path.write_text(json.dumps([attempt, str(error)])) if error else path.unlink(missing_ok=True)
+        return
+    earlier, message = attempt, ""
+    with contextlib.suppress(FileNotFoundError, ValueError):  # none, or written halfway: a restart loads again
+        earlier, message = json.loads(path.read_text())
+    if earlier < attempt:
+        raise UserError(f"{message} (the attempt before this restart stopped on it)")
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
@@ -1970,11 +1973,10 @@ class RunLock(contextlib.AbstractContextManager):
 
 def pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # it exists, as another user's
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # it exists, as another user's
-        pass
     return True
 
 

@@ -311,7 +311,7 @@ def test_a_hung_or_killed_rank_restarts_inside_the_job_and_the_run_ends_bit_iden
     assert f"resumed from {out}/checkpoints/step_00000003" in output
     if fault.startswith("stop"):
         assert re.search(
-            r"rank 0: step 5 has not ended in \d+ s; silent ranks: rank 1 \(\d+ s\); "
+            r"rank 0: no step has ended for \d+ s \(next: step 5\); silent ranks: rank 1 \(\d+ s\); "
             r"a training collective times out at 20 s",
             output,
         ), output[-4000:]
@@ -335,6 +335,18 @@ def test_a_rank_that_keeps_failing_stops_the_job_after_its_restarts_with_the_che
     assert [p.name for p in newest] == ["step_00000003"] and train.checkpoint_problem(newest[0]) is None
     run_ok(command)  # and it resumes: the rest of the run is the uninterrupted one
     assert losses_by_step(out) == losses_by_step(straight)
+
+
+@pytest.mark.distributed
+def test_a_restart_after_a_user_error_stops_at_once_with_it(tiny_model_dir, tmp_path):
+    """torchrun restarts on any failure: a run that diverged (a UserError) is not loaded and diverged again."""
+    config = write_tiny_job(
+        tmp_path / "diverging.yaml", tiny_model_dir, max_steps=12, save_every=3, output_dir=str(tmp_path / "out")
+    )
+    status, output = restarting(config, "nan-always")
+    again = "steps in a row with a non-finite loss or gradient norm at step 7: stopping."
+    assert status != 0 and again in output and "(the attempt before this restart stopped on it)" in output, output
+    assert "resumed from" not in output  # the restart loaded nothing: it would have resumed from step 6
 
 
 @pytest.mark.distributed

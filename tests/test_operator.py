@@ -173,6 +173,25 @@ def test_a_finished_run_started_again_trains_nothing_and_says_so(two_checkpoints
     assert "done: 4 steps, none in this run, data seen " in out
 
 
+def test_a_checkpoint_of_a_train_py_that_packed_each_buffer_alone_is_refused(two_checkpoints, tmp_path):
+    """Its data positions count blocks of buffers packed without the carry: resumed now, they would name others."""
+    import torch
+
+    job, finished = two_checkpoints
+    shutil.copytree(finished, tmp_path / "out")
+    for step in (tmp_path / "out/checkpoints").glob("step_*"):  # as the earlier train.py wrote them, hashes too
+        state = torch.load(step / "rank_00000.pt", weights_only=False)
+        for position in state["progress"]["streams"].values():
+            del position["carried"]
+        torch.save(state, step / "rank_00000.pt")
+        meta = json.loads((step / "complete.json").read_text())
+        meta["files"]["rank_00000.pt"] = (step / "rank_00000.pt").stat().st_size
+        meta["sha256"]["rank_00000.pt"] = train.sha256(step / "rank_00000.pt")
+        (step / "complete.json").write_text(json.dumps(meta))
+    rc, out, err = run(train_py(job, "--output_dir", tmp_path / "out"))
+    assert rc == 2 and "was written by a train.py that packed differently: resume it with that version" in err, err
+
+
 def damage(step: str, how: str) -> None:
     if how == "empty complete.json":
         (step / "complete.json").write_text("")
