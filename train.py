@@ -1588,6 +1588,7 @@ class Checkpointer(Operation, AsyncStager):
                 shutil.rmtree(old)
             line = f"checkpoint step {meta['step']}: {meta['bytes'] / 2**30:.2f} GiB in {meta['seconds']:.1f}s"
             print(f"{line} (training stalled {stall:.1f}s) -> {path}", flush=True)
+        dist.barrier(self.group)  # rank 0's part (slow on a volume) is waited for here, not in a training collective
 
 
 # ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
@@ -1801,8 +1802,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
                 for name, v in value.items() if isinstance(value, dict) else [("", value)]:
                     if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
                         flat[f"{key}/{name}" if name else key] = v
-            try:  # a tracking-server hiccup must not end a week-long run, nor keep the other ranks waiting: queued
-                self.mlflow.log_metrics(flat, step=record["step"], synchronous=False)
+            try:  # a tracking-server hiccup must not end a week-long run
+                self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
