@@ -1883,8 +1883,7 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
             pause = self.BEAT_S
             with contextlib.suppress(RuntimeError):  # the store is gone with the run: so is the watch
                 store.set(f"beat/{d.rank}", str(time.time()))
-            waited = time.monotonic() - self.last
-            if self.said or waited < 0.8 * timeout:
+            if self.said or (waited := time.monotonic() - self.last) < 0.8 * timeout:
                 continue
             now, keys = time.time(), [f"beat/{r}" for r in range(d.world_size)]
             beats = [float(store.get(k)) if store.check([k]) else None for k in keys]
@@ -1902,16 +1901,14 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
     """torchrun restarts on any exit: an attempt that stopped on a UserError leaves it in output_dir, and the next
     raises it at once instead of loading again. The first attempt clears what an earlier job left."""
     path, attempt = Path(cfg.output_dir) / "user_error.json", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if error or attempt == 0:
-        if d.rank == 0:
-            with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
-                path.write_text(json.dumps([attempt, str(error)])) if error else path.unlink(missing_ok=True)
-        return
     earlier, message = attempt, ""
     with contextlib.suppress(FileNotFoundError, ValueError):  # none, or written halfway: a restart loads again
-        earlier, message = json.loads(path.read_text())
-    if earlier < attempt:
+        earlier, message = json.loads(path.read_text()) if attempt else (attempt, "")
+    if error is None and earlier < attempt:
         raise UserError(f"{message} (the attempt before this restart stopped on it)")
+    if d.rank == 0 and (error or attempt == 0):  # the first message is kept, however many attempts stop on it
+        with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
+            path.write_text(json.dumps([attempt, message or str(error)])) if error else path.unlink(missing_ok=True)
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:

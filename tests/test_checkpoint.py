@@ -343,10 +343,11 @@ def test_a_restart_after_a_user_error_stops_at_once_with_it(tiny_model_dir, tmp_
     config = write_tiny_job(
         tmp_path / "diverging.yaml", tiny_model_dir, max_steps=12, save_every=3, output_dir=str(tmp_path / "out")
     )
-    status, output = restarting(config, "nan-always")
+    status, output = restarting(config, "nan-always", restarts=2)
     again = "steps in a row with a non-finite loss or gradient norm at step 7: stopping."
     assert status != 0 and again in output and "(the attempt before this restart stopped on it)" in output, output
-    assert "resumed from" not in output  # the restart loaded nothing: it would have resumed from step 6
+    assert "resumed from" not in output  # the restarts loaded nothing: they would have resumed from step 6
+    assert "stopped on it) (rank 0) (" not in output  # the third attempt says it as the second did
 
 
 @pytest.mark.distributed
