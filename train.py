@@ -535,7 +535,7 @@ class PackedBlocks(IterableDataset):
             if cfg.eval_fraction:  # records held out by a seeded hash of the index: the same on any ranks, each epoch
                 eval_part, cut = self.part == "eval", cfg.eval_fraction * 2**32
                 records = ((i, r) for i, r in records if (zlib.crc32(f"{cfg.seed}/{i}".encode()) < cut) == eval_part)
-            buffer, names = self.read_again(carried, source, split, shard, num_shards), list(carried)
+            buffer, names = self.read_again(carried, masker, source, split, shard, num_shards), list(carried)
             buffered, start_counts = sum(len(ids) for ids, _ in buffer), dict(counts)
             for index, samples in tokenize_stream(records, masker, cfg, tally):  # a record's samples share a buffer
                 buffer += samples
@@ -567,13 +567,12 @@ class PackedBlocks(IterableDataset):
             yield {**block, "position": dataclasses.replace(where, taken=n)}
         return sorted(emptiest) if carry else []
 
-    def read_again(self, carried: tuple, source: str, split: str, shard: int, num_shards: int) -> list:
+    def read_again(self, carried: tuple, masker, source: str, split: str, shard: int, num_shards: int) -> list:
         """A resumed buffer's carried samples, from their records (before its first one); their counts were taken."""
         wanted, found = {record for record, _ in carried}, {}
         if not wanted:
             return []
         records = read_records(source, split, self.cfg.dataset_revision, shard, num_shards, min(wanted), Counter())
-        masker = AssistantMasker(self.tok)
         for index, samples in tokenize_stream(((i, r) for i, r in records if i in wanted), masker, self.cfg, Counter()):
             found[index] = samples
             if len(found) == len(wanted):
@@ -1908,7 +1907,10 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
         raise UserError(f"{message} (the attempt before this restart stopped on it)")
     if d.rank == 0 and (error or attempt == 0):  # the first message is kept, however many attempts stop on it
         with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
-            path.write_text(json.dumps([attempt, message or str(error)])) if error else path.unlink(missing_ok=True)
+            if error:
+                path.write_text(json.dumps([attempt, message or str(error)]))
+            else:
+                path.unlink(missing_ok=True)
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
