@@ -95,11 +95,13 @@ class Config:
     activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed, or auto (measured)")
     compile: bool = resumable(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)")
     float8: bool = resumable(False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)")
-    # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file.
+    # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file; or several, mixed (README, "Data").
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
     dataset_revision: str = setting("8049631c405ae6576f93f445c6b8166f76f5505a", "hub dataset revision")
     dataset_split: str = setting("train_sft", "split of dataset_name to train on")
-    messages_column: str = setting("messages", "column holding the conversations (role/content messages)")
+    datasets: tuple = setting((), "several sources instead, mixed by weight: [{name, split, revision, weight}, ...]")
+    data_format: str = setting("auto", "records' form: auto (by their keys), messages, prompt_completion or text")
+    messages_column: str = setting("messages", "column of the conversations (role/content, or ShareGPT's from/value)")
     tools_column: str = setting("tools", "column holding the tool definitions the chat template is given, if any")
     reasoning: str = setting("train", "assistant reasoning: trained with its answer, or dropped")
     eval_split: str = resumable("", "held-out split of dataset_name, or a local file; empty: none")
@@ -203,55 +205,124 @@ def print0(rank: int, *args, file=None) -> None:
 
 
 # ---- Data: read this rank's shard, render and mask each conversation, pack whole conversations into blocks -------
-def read_records(source: str, split: str, revision: str, shard: int, num_shards: int, start: int, skips: Counter):
-    """(index, record) of shard i % num_shards from `start` on: every shard reads the stream, so any source splits."""
-    path = Path(source)
+def data_sources(cfg: Config, part: str) -> list[dict]:
+    """The sources ({name, split, revision, weight}) of "train", or of "eval": eval_split's, or eval_fraction's."""
+    one = {"name": cfg.dataset_name, "split": cfg.dataset_split, "revision": cfg.dataset_revision, "weight": 1}
+    train = [{"split": "train", "revision": "", "weight": 1, **source} for source in cfg.datasets] or [one]
+    if part == "train" or cfg.eval_fraction:
+        return train
+    held_out = {"name": cfg.eval_split, "split": ""} if Path(cfg.eval_split).suffix else {"split": cfg.eval_split}
+    return [{**one, **held_out}]
+
+
+def label(source: dict) -> str:
+    return source["name"] if Path(source["name"]).suffix else f"{source['name']} [{source['split']}]"
+
+
+def source_records(source: dict):
+    """(index, record) of one pass over a source; a JSON line as its bytes, decoded only where it is taken."""
+    path = Path(source["name"])
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
-            for index, line in enumerate(f):
-                if index < start or index % num_shards != shard or not line.strip():  # blank lines are no records
-                    continue
-                try:
-                    yield index, json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    skips["unreadable line"] += 1
-                    if skips["unreadable line"] <= 3:  # the first few of each shard, by line number
-                        print(f"warning: {source} line {index + 1} is not UTF-8 JSON: skipped", flush=True)
+            yield from ((index, line) for index, line in enumerate(f) if line.strip())  # blank lines are no records
         return
     from datasets import load_dataset  # imported here: a .jsonl file does not need it
 
     if path.suffix in (".json", ".parquet"):
         stream = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
     else:
-        stream = load_dataset(source, split=split, streaming=True, revision=revision or None)
-    for index, record in enumerate(stream.skip(start), start):
-        if index % num_shards == shard:
-            yield index, record
+        revision = source["revision"] or None
+        stream = load_dataset(source["name"], split=source["split"], streaming=True, revision=revision)
+    yield from enumerate(stream)
 
 
-def data_source(cfg: Config, part: str) -> tuple[str, str]:
-    """(source, split) of "train" or "eval" (eval_split, or with eval_fraction the training data)."""
-    assert part in ("train", "eval"), part
-    if part == "train" or cfg.eval_fraction:
-        return cfg.dataset_name, cfg.dataset_split
-    return (cfg.eval_split, "") if Path(cfg.eval_split).suffix else (cfg.dataset_name, cfg.eval_split)
+def decoded(record):
+    """A record; a JSON line's, decoded; None for a line that is not UTF-8 JSON."""
+    with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+        return json.loads(record.decode("utf-8")) if isinstance(record, bytes) else record
+
+
+def read_records(
+    cfg: Config, part: str, shard: int, num_shards: int, start: int, skips: Counter, epoch=0, report=False
+):
+    """(index, record, source) of shard index % num_shards from start on: the sources drawn by weight, seeded, one that
+    runs out read again until each has (an epoch). Every shard reads all, so any source splits; a seeded hash of a
+    record's place holds it out (eval_fraction). report: the first few unreadable lines, read by one shard."""
+    sources = data_sources(cfg, part)
+    passes, ended, index = [source_records(source) for source in sources], set(), -1
+    draw, weights = random.Random(f"{cfg.seed}/{epoch}"), [source["weight"] for source in sources]
+    while len(ended) < len(sources):
+        s = draw.choices(range(len(sources)), weights)[0] if len(sources) > 1 else 0
+        if (item := next(passes[s], None)) is None:  # its pass is over: the next begins
+            ended.add(s)
+            passes[s] = source_records(sources[s])
+            continue
+        index, (i, record) = index + 1, item
+        place = f"{cfg.seed}/{i}" if s == 0 else f"{cfg.seed}/{s}/{i}"  # held out in every pass, or in none
+        held_out = zlib.crc32(place.encode()) < cfg.eval_fraction * 2**32
+        if index < start or index % num_shards != shard or (cfg.eval_fraction and held_out != (part == "eval")):
+            continue
+        if (record := decoded(record)) is None:
+            count(skips, s, "unreadable line")
+            if report and s not in ended and skips["unreadable line"] <= 3:  # the first few, in a first pass
+                print(f"warning: {sources[s]['name']} line {i + 1} is not UTF-8 JSON: skipped", flush=True)
+            continue
+        yield index, record, s
 
 
 class Skip(Exception):
     """A record that cannot be trained on; its message, the reason, is counted."""
 
 
-def conversation_of(record, cfg: Config) -> tuple[list, list | None]:
-    """A record's (messages, tools) as templates take them: text parts joined, JSON-text arguments parsed."""
-    if not isinstance(record, dict) or cfg.messages_column not in record:
-        raise Skip(f"missing column {cfg.messages_column!r}")
-    messages, tools = record[cfg.messages_column], record.get(cfg.tools_column)
+def record_form(record, cfg: Config) -> str:
+    """data_format, or with auto the first form the keys fit: messages (or conversations), prompt_completion, text."""
+    keys = record.keys() if isinstance(record, dict) else set()
+    fits = {"messages": bool({cfg.messages_column, "conversations"} & keys)}
+    fits |= {"prompt_completion": {"prompt", "completion"} <= keys, "text": "text" in keys}
+    form = cfg.data_format if cfg.data_format != "auto" else next((f for f, fit in fits.items() if fit), None)
+    if form is None or not fits[form]:
+        columns = {"messages": f"{cfg.messages_column!r} or 'conversations'"}
+        columns |= {"prompt_completion": "'prompt' and 'completion'", "text": "'text'"}
+        raise Skip(f"no {columns[form]} column" if form else "no column of a known form")
+    return form
+
+
+def samples_of(record: dict, masker: AssistantMasker, cfg: Config) -> list[tuple[list[int], list[bool]]]:
+    """A record's samples by its form (README, "Data"). A conversation: its assistant turns carry the loss. Prompt and
+    completion: as message lists, the completion's assistant turns; as strings (no template, as TRL), the completion."""
+    form, prompt, completion = record_form(record, cfg), record.get("prompt"), record.get("completion")
+    if form == "text" or form == "prompt_completion" and isinstance(prompt, str) and isinstance(completion, str):
+        return [masker.plain("", record["text"]) if form == "text" else masker.plain(prompt, completion)]
+    if form == "prompt_completion" and not (isinstance(prompt, list) and isinstance(completion, list)):
+        raise Skip("prompt and completion neither strings nor message lists")
+    column = cfg.messages_column if cfg.messages_column in record else "conversations"
+    messages = prompt + completion if form == "prompt_completion" else record[column]
+    messages, tools = conversation_of(messages, record.get(cfg.tools_column), cfg)
+    check_conversation(messages)
+    trained_from = len(prompt) if form == "prompt_completion" else 0  # the prompt's turns carry no loss
+    if not any(m["role"] == "assistant" for m in messages[trained_from:]):
+        raise Skip("no assistant turn in the completion")
+    return masker.samples(messages, tools, trained_from)
+
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
+
+
+def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
+    """Messages and tools as templates take them: ShareGPT's from/value as role/content, text parts joined, JSON-text
+    arguments parsed, reasoning dropped (reasoning: drop)."""
     try:
         tools = json.loads(tools) if isinstance(tools, str) else tools
         if not isinstance(messages, list):
             return messages, tools  # check_conversation names it
         joined = []
         for m in messages:
+            if isinstance(m, dict) and "from" in m and "value" in m and "role" not in m:  # ShareGPT's form
+                said, value = m["from"], m["value"]
+                m = {"role": SHAREGPT_ROLES.get(said, said), "content": value}
+                if said == "function_call":  # as the tool call it is
+                    call = json.loads(value) if isinstance(value, str) else value
+                    m = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
             parts = m.get("content") if isinstance(m, dict) else None
             if isinstance(parts, list):
                 texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in parts]
@@ -303,18 +374,17 @@ class AssistantMasker:
     rendered as is and with placeholders, the first must be the second with the texts put back, else it is skipped."""
 
     def __init__(self, tokenizer):
-        if not tokenizer.chat_template:
-            raise UserError("the tokenizer has no chat_template; set tokenizer_name to one that has")
-        self.tok, self.renders_reasoning = tokenizer, "reasoning_content" in tokenizer.chat_template
+        self.tok, self.renders_reasoning = tokenizer, "reasoning_content" in (tokenizer.chat_template or "")
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
 
-    def samples(self, messages: list[dict], tools: list | None = None) -> list[tuple[list[int], list[bool]]]:
-        """[(ids, mask), ...]: the conversation, and each turn whose reasoning it leaves out (README, "Reasoning")."""
-        messages = [self.reasoning_apart(m) for m in messages]
-        ids, mask, dropped = self.render(messages, tools)
-        if not dropped:
+    def samples(self, messages: list[dict], tools=None, trained_from: int = 0) -> list[tuple[list[int], list[bool]]]:
+        """[(ids, mask), ...]: the conversation, and each turn whose reasoning it leaves out (README, "Reasoning");
+        the turns before trained_from (a prompt's) carry no loss."""
+        messages, prompt = [self.reasoning_apart(m) for m in messages], set(range(trained_from))
+        ids, mask, dropped = self.render(messages, tools, skip=prompt)
+        if not (dropped := dropped - prompt):
             return [(ids, mask)]
-        samples = [self.render(messages, tools, skip=dropped)[:2]]  # the whole conversation without those turns
+        samples = [self.render(messages, tools, skip=dropped | prompt)[:2]]  # the whole conversation without those
         for i in sorted(dropped):  # then each of them with its past
             ids, mask, still = self.render(messages[: i + 1], tools, skip=set(range(i)))
             if i in still:
@@ -325,6 +395,16 @@ class AssistantMasker:
     def __call__(self, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[bool]]:
         """One rendering of the whole conversation: (ids, mask)."""
         return self.render([self.reasoning_apart(m) for m in messages], tools)[:2]
+
+    def plain(self, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
+        """No template, as TRL: the prompt tokenized as for generation, then the completion tokenized on its own and
+        end-of-sequence, which carry the loss (a text record: an empty prompt, the text)."""
+        if not isinstance(completion, str) or not completion.strip():
+            raise Skip("empty or non-string text or completion")
+        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        prompt_ids, completion_ids = self.tok(prompt)["input_ids"], self.tok(completion, add_special_tokens=False)
+        completion_ids = completion_ids["input_ids"] + eos
+        return prompt_ids + completion_ids, [False] * len(prompt_ids) + [True] * len(completion_ids)
 
     def reasoning_apart(self, m: dict) -> dict:
         """`<think>...</think>` at an assistant content's start as reasoning_content, for templates that render it."""
@@ -352,6 +432,8 @@ class AssistantMasker:
             if m["content"]:
                 slots.append((i, f"\ue000c{i}\ue001", m["content"]))
                 skeleton_messages[i]["content"] = slots[-1][1]
+        if not self.tok.chat_template:
+            raise Skip("a conversation, and the tokenizer has no chat_template (set tokenizer_name to one that has)")
         render = partial(self.tok.apply_chat_template, tools=tools, tokenize=False)
         try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
             text, skeleton = render(messages), render(skeleton_messages)
@@ -412,31 +494,44 @@ EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside co
 
 
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
-    """(index, samples) per trainable record; counts skips by reason, truncations and extra samples."""
-    for index, record in records:
+    """(index, samples) per trainable record; counts skips by reason, truncations, extra samples and tokens (count)."""
+    for index, record, source in records:
         try:
-            messages, tools = conversation_of(record, cfg)
-            check_conversation(messages)
-            result = masker.samples(messages, tools)
+            result = samples_of(record, masker, cfg)
         except Skip as reason:
-            counts[str(reason)] += 1
+            count(counts, source, str(reason))
             continue
         samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
         if any(len(ids) > cfg.max_seq_len for ids, _ in result):
-            counts["truncated"] += 1
+            count(counts, source, "truncated")
         # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
         samples = [(ids, mask) for ids, mask in samples if any(mask[1:])]
         if not samples:
-            counts["no loss tokens after truncation"] += 1
+            count(counts, source, "no loss tokens after truncation")
             continue
-        counts["conversations"] += 1
+        count(counts, source, "conversations")
         if len(samples) > 1:
-            counts[EXTRA_SAMPLES] += len(samples) - 1
+            count(counts, source, EXTRA_SAMPLES, len(samples) - 1)
+        counts[source, "tokens"] += sum(len(ids) for ids, _ in samples)
+        counts[source, "loss tokens"] += sum(sum(mask[1:]) for _, mask in samples)
         yield index, samples
 
 
+def count(counts: Counter, source: int, key: str, n: int = 1) -> None:
+    counts.update({key: n, (source, key): n})  # in all, and by source
+
+
 def skip_reasons(counts: dict) -> dict:
-    return {k: v for k, v in counts.items() if k not in ("conversations", "truncated", EXTRA_SAMPLES)}
+    kept = ("conversations", "truncated", EXTRA_SAMPLES)
+    return {k: v for k, v in counts.items() if isinstance(k, str) and k not in kept}  # over all sources
+
+
+def by_source(counts: dict, cfg: Config) -> dict:
+    """{source: {what: count}} when there are several sources."""
+    sources, out = data_sources(cfg, "train"), {}
+    for key, n in sorted((k, v) for k, v in counts.items() if isinstance(k, tuple) and len(sources) > 1):
+        out.setdefault(label(sources[key[0]]), {})[key[1]] = n
+    return out
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -512,8 +607,10 @@ class PackedBlocks(IterableDataset):
     buffers of pack_buffer_blocks blocks' worth, yielding them in a seeded order. resume: a Progress; worker w reads
     slot (w + next_slot) % workers, the DataLoader's turn order."""
 
-    def __init__(self, cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
-        self.cfg, self.tok, self.part = cfg, tokenizer, part
+    def __init__(
+        self, cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None, report=True
+    ):
+        self.cfg, self.tok, self.part, self.report = cfg, tokenizer, part, report  # report: read_records'
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
         self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)
 
@@ -522,7 +619,6 @@ class PackedBlocks(IterableDataset):
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         slot = (worker_id + self.next_slot) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
-        source, split = data_source(cfg, self.part)
         masker, pad_id = AssistantMasker(self.tok), pad_token_id(self.tok)
         at = self.streams.get(slot, StreamPosition(slot, 0, 0, 0, {}, {}))
         counts = Counter(at.counts_at_start)
@@ -531,11 +627,8 @@ class PackedBlocks(IterableDataset):
             carried = tuple(at.carried) if epoch == at.epoch else ()
             # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
             tally = counts if epoch == 0 else Counter()
-            records = read_records(source, split, cfg.dataset_revision, shard, num_shards, first, tally)
-            if cfg.eval_fraction:  # records held out by a seeded hash of the index: the same on any ranks, each epoch
-                eval_part, cut = self.part == "eval", cfg.eval_fraction * 2**32
-                records = ((i, r) for i, r in records if (zlib.crc32(f"{cfg.seed}/{i}".encode()) < cut) == eval_part)
-            buffer, names = self.read_again(carried, masker, source, split, shard, num_shards), list(carried)
+            records = read_records(cfg, self.part, shard, num_shards, first, tally, epoch, self.report and epoch == 0)
+            buffer, names = self.read_again(carried, masker, shard, num_shards, epoch), list(carried)
             buffered, start_counts = sum(len(ids) for ids, _ in buffer), dict(counts)
             for index, samples in tokenize_stream(records, masker, cfg, tally):  # a record's samples share a buffer
                 buffer += samples
@@ -567,23 +660,24 @@ class PackedBlocks(IterableDataset):
             yield {**block, "position": dataclasses.replace(where, taken=n)}
         return sorted(emptiest) if carry else []
 
-    def read_again(self, carried: tuple, masker, source: str, split: str, shard: int, num_shards: int) -> list:
+    def read_again(self, carried: tuple, masker, shard: int, num_shards: int, epoch: int) -> list:
         """A resumed buffer's carried samples, from their records (before its first one); their counts were taken."""
         wanted, found = {record for record, _ in carried}, {}
         if not wanted:
             return []
-        records = read_records(source, split, self.cfg.dataset_revision, shard, num_shards, min(wanted), Counter())
-        for index, samples in tokenize_stream(((i, r) for i, r in records if i in wanted), masker, self.cfg, Counter()):
+        records = read_records(self.cfg, self.part, shard, num_shards, min(wanted), Counter(), epoch)
+        for index, samples in tokenize_stream((r for r in records if r[0] in wanted), masker, self.cfg, Counter()):
             found[index] = samples
             if len(found) == len(wanted):
                 break
         if lost := sorted(wanted - found.keys()):  # the data changed since the checkpoint was written
-            raise UserError(f"{source}: records {lost[:5]}, carried into the resumed buffer, no longer train")
+            names = ", ".join(label(source) for source in data_sources(self.cfg, self.part))
+            raise UserError(f"{names}: records {lost[:5]}, carried into the resumed buffer, no longer train")
         return [found[record][k] for record, k in carried]
 
 
-def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None):
-    blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume)
+def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None, report=True):
+    blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume, report)
     # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
     extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
     pinned, workers = torch.cuda.is_available(), cfg.num_workers
@@ -954,7 +1048,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         max_blocks, packing = count_blocks(cfg, tokenizer, d)
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     # The data stream starts now: its worker packs the first buffer while the weights load.
-    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress))
+    # A bad line is said once: in the counting pass, or without one here.
+    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
     source = on_every_rank(partial(pretrained_dir, cfg), d)
     t0 = time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
@@ -1023,6 +1118,7 @@ def main(argv: list[str] | None = None) -> None:
 # Each setting's allowed values, lower bound or range (a test, and what the value must be); check_settings has the rest.
 CHOICES = dict(init=("pretrained", "random"), reasoning=("train", "drop"), lr_schedule=("cosine", "linear", "constant"))
 CHOICES |= dict(attn_implementation=("auto", "flash_attention_2", "torch_varlen", "sdpa", "eager"))
+CHOICES |= dict(data_format=("auto", "messages", "prompt_completion", "text"))
 CHOICES |= dict.fromkeys(("master_dtype", "param_dtype", "reduce_dtype"), ("bfloat16", "float32"))
 LOWEST = dict(max_seq_len=16, save_every=-1, num_workers=0, weight_decay=0, max_steps=0, warmup_steps=0, eval_every=0)
 LOWEST |= dict(save_every_minutes=0, eval_blocks=1, pack_buffer_blocks=1, max_bad_steps=1, epochs=1, log_every=1)
@@ -1040,6 +1136,7 @@ def typed(field: dataclasses.Field, value, source: str):
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         with contextlib.suppress(ValueError):
             value = float(value)
+    value = tuple(value) if want is tuple and isinstance(value, list) else value  # YAML's lists: datasets
     if type(value) is not want:
         raise UserError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
     return value
@@ -1061,14 +1158,31 @@ def check_settings(cfg: Config) -> None:
                 need = None if 0 <= recompute_share(value) <= 1 else need
         if need:
             raise UserError(f"bad configuration: {key} must be {need}, got {value!r}")
+    types = {"name": str, "split": str, "revision": str, "weight": (int, float)}
+    for source in cfg.datasets:
+        typed_keys = isinstance(source, dict) and all(isinstance(v, types.get(k, ())) for k, v in source.items())
+        if not (typed_keys and "name" in source and 0 < source.get("weight", 1) < math.inf):
+            need = "{name: str}, and if wanted split, revision (str), weight (> 0, finite)"
+            raise UserError(f"bad configuration: each of datasets must be {need}, got {source!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name.startswith("dataset_")}
+    if cfg.datasets and (single := [k for k, default in defaults.items() if getattr(cfg, k) != default]):
+        raise UserError(f"bad configuration: set datasets or {', '.join(single)}, not both")
     if cfg.eval_split and cfg.eval_fraction:
         raise UserError("bad configuration: set eval_split or eval_fraction, not both")
-    # A local file has no splits: any split name of it reads the whole file.
-    eval_file, data_file = Path(cfg.eval_split).suffix, Path(cfg.dataset_name).suffix
-    same_file = eval_file and Path(cfg.eval_split).resolve() == Path(cfg.dataset_name).resolve()
-    if cfg.eval_split and ((data_file and not eval_file) or cfg.eval_split == cfg.dataset_split or same_file):
+    if cfg.datasets and cfg.eval_split and not Path(cfg.eval_split).suffix:
+        raise UserError("bad configuration: with datasets, eval_split must be a local file; or set eval_fraction")
+    if cfg.eval_split and any(
+        same_source(data_sources(cfg, "eval")[0], source) for source in data_sources(cfg, "train")
+    ):
         fix = "give a held-out file or split, or set eval_fraction to hold out a share of the records"
         raise UserError(f"bad configuration: eval_split {cfg.eval_split!r} is the training data: {fix}")
+
+
+def same_source(a: dict, b: dict) -> bool:
+    """Whether two sources read the same records: a local file has no splits, any split name of it reads it all."""
+    if Path(a["name"]).suffix or Path(b["name"]).suffix:
+        return Path(a["name"]).resolve() == Path(b["name"]).resolve()
+    return (a["name"], a["split"]) == (b["name"], b["split"])
 
 
 def load_config(*sources: tuple[str, dict]) -> Config:
@@ -1123,8 +1237,8 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
 
 def fixed_on_resume(saved: dict, cfg: Config) -> dict:
     """{key: (old, new)} that cfg changes but may not; a key an older checkpoint lacks counts as its default."""
-    fields, new = {f.name: f for f in dataclasses.fields(cfg)}, dataclasses.asdict(cfg)
-    old = {k: saved.get(k, f.default) for k, f in fields.items()}
+    fields, new = {f.name: f for f in dataclasses.fields(cfg)}, json.loads(json.dumps(dataclasses.asdict(cfg)))
+    old = json.loads(json.dumps({k: saved.get(k, f.default) for k, f in fields.items()}))  # as JSON: lists, not tuples
     return {k: (old[k], new[k]) for k, f in fields.items() if not f.metadata["resumable"] and old[k] != new[k]}
 
 
@@ -1250,23 +1364,30 @@ def fla_refuses_hopper_backward() -> bool:
 
 
 def check_data(cfg: Config, part: str) -> None:
-    """A dataset that is missing, unreadable, empty or without the conversation column stops the run first."""
-    source, split = data_source(cfg, part)
-    if Path(source).suffix and not Path(source).is_file():
-        raise UserError(f"data file {source} does not exist")
-    counts = Counter()
-    try:  # datasets raises ValueError for a split or configuration the dataset lacks, OSError for what it cannot reach
-        first = [r for _, r in itertools.islice(read_records(source, split, cfg.dataset_revision, 0, 1, 0, counts), 64)]
-    except (ValueError, OSError) as e:
-        first_line = str(e).strip().split("\n")[0]
-        raise UserError(f"cannot read dataset {source} [{split}]: {first_line}") from e
-    if not first:
-        problem = "has no readable line: is it JSON lines?" if counts else "is empty"
-        raise UserError(f"dataset {source} [{split}] {problem}")
-    if not any(isinstance(r, dict) and cfg.messages_column in r for r in first):
-        columns = sorted(first[0]) if isinstance(first[0], dict) else type(first[0]).__name__
-        fix = f"its columns are {columns}: set messages_column to the one holding the conversations"
-        raise UserError(f"dataset {source} [{split}] has no column {cfg.messages_column!r} in its first records; {fix}")
+    """A source that is missing, unreadable, empty or of no known form stops the run first."""
+    for source in data_sources(cfg, part):
+        name, where = source["name"], label(source)
+        if Path(name).suffix and not Path(name).is_file():
+            raise UserError(f"data file {name} does not exist")
+        try:  # datasets: ValueError for a split or configuration it lacks, OSError for what it cannot reach
+            first = [decoded(record) for _, record in itertools.islice(source_records(source), 64)]
+        except (ValueError, OSError) as e:
+            first_line = str(e).strip().split("\n")[0]
+            raise UserError(f"cannot read dataset {where}: {first_line}") from e
+        if not any(record is not None for record in first):
+            raise UserError(f"dataset {where} {'has no readable line: is it JSON lines?' if first else 'is empty'}")
+        reasons = []
+        for record in first:
+            try:
+                record_form(record, cfg)
+                break
+            except Skip as reason:
+                reasons.append(str(reason))
+        else:
+            columns = sorted(next((record for record in first if isinstance(record, dict)), {}))
+            known = "messages (or ShareGPT's conversations), prompt and completion, or text"
+            fix = f"its columns are {columns}: give {known}, or set messages_column or data_format"
+            raise UserError(f"dataset {where} has {reasons[0]} in its first records; {fix}")
 
 
 def from_hub(load, name: str):
@@ -1345,17 +1466,26 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     stats |= {"loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4)}
     stats |= {"extra_samples_for_reasoning": counts[EXTRA_SAMPLES], "truncated": counts["truncated"]}
     stats |= {"skipped": sum(skipped.values()), "skipped_by_reason": skipped}
+    stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.monotonic() - t0:.0f}s)")
     if max(blocks_per_rank) == 0:
-        raise UserError(f"no trainable conversation in {cfg.dataset_name} [{cfg.dataset_split}]: {stats}")
-    check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], skipped, cfg)
+        names = ", ".join(map(label, data_sources(cfg, "train")))
+        raise UserError(f"no trainable conversation in {names}: {stats}")
+    check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], lambda: skipped, cfg)
     return max(blocks_per_rank), stats
 
 
-def check_skips(skipped: int, records: int, reasons: dict, cfg: Config) -> None:
+def check_skips(skipped: int, records: int, reasons, cfg: Config) -> None:
+    """Counts over all ranks, so every rank decides alike; reasons() gives theirs (it may be a collective)."""
     if records and skipped / records > cfg.max_skip_fraction:
         limit, fix = f"more than max_skip_fraction {cfg.max_skip_fraction}", "Fix the data, or raise max_skip_fraction"
-        raise UserError(f"{skipped} of {records} records cannot be trained on ({limit}): {reasons}. {fix}")
+        raise UserError(f"{skipped} of {records} records cannot be trained on ({limit}): {reasons()}. {fix}")
+
+
+def gathered(counts: Counter, d: Dist) -> Counter:  # the sum of every rank's
+    every = [None] * d.world_size
+    dist.all_gather_object(every, counts)
+    return sum(every, Counter())
 
 
 # ---- Checkpoints and resume --------------------------------------------------------------------------------------
@@ -1417,7 +1547,9 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
         changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
         line = f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the"
         raise UserError(f"{line} batch and the optimizer of its checkpoint. Restore them, or use another output_dir")
-    if changed := {k: v for k, v in dataclasses.asdict(cfg).items() if meta["config"].get(k) != v}:
+    if changed := {
+        k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if meta["config"].get(k) != v
+    }:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
     torch.set_rng_state(saved["rng"]["torch"])
@@ -1761,8 +1893,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         if not self.window["steps"]:
             return
         data = job.progress.stream_counts()
-        reasons = skip_reasons(data)  # this rank's; the totals are over all ranks
-        skipped = sum(reasons.values())
+        skipped = sum(skip_reasons(data).values())  # this rank's; the totals are over all ranks
         skips = all_reduced([skipped, skipped + data["conversations"]], self.d)
         dist.all_reduce(self.loss_sum)
         # A rank that waits for data, or for CUDA's allocator to free its cache and retry, stalls them all.
@@ -1786,7 +1917,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         tail = f"mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {timedelta(seconds=eta)}"
         print0(self.d.rank, f"{line} | {speed} | {tail}")
         self.write(r)
-        check_skips(int(skips[0]), int(skips[1]), {"on this rank": reasons}, self.cfg)
+        check_skips(int(skips[0]), int(skips[1]), lambda: skip_reasons(gathered(data, self.d)), self.cfg)
         self.since, self.window, self.last_loss = now, Counter(), r["loss"]
         self.loss_sum.zero_()
 
@@ -1808,9 +1939,10 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
 
     def summary(self, job: Job) -> None:
         """The run's last line: steps, final loss, the data seen on all ranks."""
-        progress, seen = job.progress, [None] * self.d.world_size
-        dist.all_gather_object(seen, progress.stream_counts() + Counter(blocks=progress.blocks))
-        data = dict(sum(seen, Counter()))
+        progress = job.progress
+        counts = gathered(progress.stream_counts() + Counter(blocks=progress.blocks), self.d)
+        data = {k: v for k, v in counts.items() if isinstance(k, str)}
+        data |= {"by_source": sources} if (sources := by_source(counts, self.cfg)) else {}
         trained = f"final loss {self.last_loss}" if self.last_loss is not None else "none in this run"
         print0(self.d.rank, f"done: {progress.step} steps, {trained}, data seen {data}")
         self.write({"step": progress.step, "data_seen": data})
@@ -1829,7 +1961,7 @@ class Evaluator(Operation):
         counts = global_counts(self.blocks, d)
         self.n_micro, self.loss_tokens = counts.max_blocks, counts.loss_tokens
         if self.loss_tokens == 0:
-            raise UserError(f"the eval data ({data_source(cfg, 'eval')}) yields no loss tokens")
+            raise UserError(f"the eval data ({', '.join(map(label, data_sources(cfg, 'eval')))}) yields no loss tokens")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         step, every = job.progress.step, self.cfg.eval_every

@@ -54,6 +54,8 @@ def write_tiny_job(path: Path, tiny_model_dir, **settings) -> Path:
         "num_workers": 0,
         **settings,
     }
+    if "datasets" in settings:  # several sources instead of dataset_name
+        del job["dataset_name"]
     path.write_text(yaml.safe_dump(job))
     return path
 

@@ -85,7 +85,7 @@ def job(tmp_path, tiny_model_dir, name, data, log_every=1, **settings):
     config = write_tiny_job(
         tmp_path / f"{name}.yaml",
         tiny_model_dir,
-        dataset_name=str(data),
+        **({"datasets": list(data)} if isinstance(data, tuple) else {"dataset_name": str(data)}),
         pack_buffer_blocks=4,
         num_workers=2,
         gradient_accumulation_steps=2,
@@ -123,12 +123,18 @@ def losses_by_step(out):
 @pytest.fixture(scope="module")
 def straight(tiny_model_dir, tmp_path_factory):
     """The run the resume tests compare with: never interrupted. log_every 2, save_every 3: a checkpoint step logs
-    too, so the log window never straddles a checkpoint."""
+    too, so the log window never straddles a checkpoint. Its data is a mixture: messages, and ShareGPT at weight 2."""
     tmp_path = tmp_path_factory.mktemp("straight")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(open(SAMPLE).readlines()[:64]))
+    lines = open(SAMPLE).readlines()
+    (tmp_path / "messages.jsonl").write_text("".join(lines[:48]))
+    roles = {"user": "human", "assistant": "gpt"}
+    sharegpt = [
+        [{"from": roles[m["role"]], "value": m["content"]} for m in json.loads(x)["messages"]] for x in lines[48:64]
+    ]
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in sharegpt))
+    data = ({"name": str(tmp_path / "messages.jsonl")}, {"name": str(tmp_path / "sharegpt.jsonl"), "weight": 2})
     command, out = job(tmp_path, tiny_model_dir, "straight", data, log_every=2)
-    run_ok(command)
+    assert '"by_source": {' in run_ok(command)  # the counting pass's packing statistics
     return data, out
 
 

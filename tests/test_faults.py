@@ -20,7 +20,8 @@ import train
 GOOD = json.loads(open(SAMPLE).readline())["messages"]
 TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
-    ({"text": "no conversation column"}, "missing column 'messages'"),
+    ({"question": "no column of a known form"}, "no column of a known form"),
+    ({"text": "A record of plain text: trained whole."}, None),
     ({"messages": "not a list"}, "messages not a non-empty list"),
     ({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}, "unknown role"),
     (
@@ -121,8 +122,8 @@ def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path
         (b"", "is empty"),
         (b"not json at all\nnor this\n", "has no readable line: is it JSON lines?"),
         (
-            b'{"conversations": []}\n',
-            "has no column 'messages' in its first records; its columns are ['conversations']",
+            b'{"question": []}\n',
+            "has no column of a known form in its first records; its columns are ['question']",
         ),
     ],
 )
@@ -153,7 +154,7 @@ def run_train(tmp_path, tiny_model_dir, timeout=120, **job):
 @pytest.mark.parametrize(
     "job, message",
     [
-        ({"messages_column": "conversation"}, "has no column 'conversation'"),
+        ({"data_format": "messages", "messages_column": "chat"}, "has no 'chat' or 'conversations' column in its"),
         ({"output_dir": "/dev/null/out"}, "output_dir /dev/null/out is not writable from rank 0"),
         ({"max_seq_len": 16384}, "max_seq_len 16384 exceeds the model's max_position_embeddings 8192"),
         ({"dataset_name": "__BAD__", "max_skip_fraction": 0.5}, "cannot be trained on (more than max_skip_fraction"),

@@ -189,16 +189,20 @@ def test_records_in_openai_form_and_content_parts_are_read_as_the_template_takes
         ],
         "tools": '[{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city"}}]',
     }
-    messages, tools = train.conversation_of(record, cfg)
+    messages, tools = train.conversation_of(record["messages"], record["tools"], cfg)
     assert messages[0]["content"] == "Weather in Paris?" and messages[3]["content"] == "18C in Paris."
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert tools[0]["function"]["name"] == "get_weather"
     ids, mask = train.AssistantMasker(tok)(messages, tools)
     assert len(loss_runs(tok, ids, mask)) == 2
     image = {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]}
-    assert skip_reason(lambda: train.conversation_of({"messages": [image]}, cfg)) == "a content part that is not text"
-    bad_tools = {"messages": [], "tools": "{not json"}
-    assert skip_reason(lambda: train.conversation_of(bad_tools, cfg)) == "tools or tool-call arguments not JSON"
+    assert skip_reason(lambda: train.conversation_of([image], None, cfg)) == "a content part that is not text"
+    assert skip_reason(lambda: train.conversation_of([], "{not json", cfg)) == "tools or tool-call arguments not JSON"
+
+
+def totals(counts) -> dict:
+    """The counts over all sources (tokenize_stream also keeps them by source, under (source, what))."""
+    return {k: v for k, v in counts.items() if isinstance(k, str)}
 
 
 def turn(content, reasoning=None):
@@ -241,11 +245,11 @@ def test_reasoning_can_be_dropped_and_extra_samples_are_counted(tokenizer):
     u1, u2 = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "and 3+3?"}
     record = {"messages": [u1, turn("<think>Two twos.</think>4"), u2, turn("6", "Two threes.")]}
     counts = Counter()
-    [(_, samples)] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), train.Config(), counts)
-    assert len(samples) == 2 and counts == {"conversations": 1, train.EXTRA_SAMPLES: 1}
+    [(_, samples)] = train.tokenize_stream([(0, record, 0)], train.AssistantMasker(tok), train.Config(), counts)
+    assert len(samples) == 2 and totals(counts) == {"conversations": 1, train.EXTRA_SAMPLES: 1}
     assert train.skip_reasons(counts) == {}
     dropped = train.Config(reasoning="drop")
-    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), dropped, Counter())
+    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record, 0)], train.AssistantMasker(tok), dropped, Counter())
     assert loss_runs(tok, ids, mask) == ["4<|im_end|>", "6<|im_end|>"] and "Two" not in tok.decode(ids)
 
 
@@ -284,8 +288,8 @@ def test_an_openai_tool_call_turn_with_null_content_is_trained(tokenizer):
     }
     counts = Counter()
     tok = with_template(tokenizer, QWEN3_5)
-    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record)], train.AssistantMasker(tok), train.Config(), counts)
-    assert len(loss_runs(tok, ids, mask)) == 2 and counts == {"conversations": 1}
+    [(_, [(ids, mask)])] = train.tokenize_stream([(0, record, 0)], train.AssistantMasker(tok), train.Config(), counts)
+    assert len(loss_runs(tok, ids, mask)) == 2 and totals(counts) == {"conversations": 1}
 
 
 # The structure of Llama 3.1's tool-call format (its prompt-format documentation): a turn with tool calls renders

@@ -50,6 +50,8 @@ def inspect_blocks(cfg: train.Config, n: int, out_path: str) -> None:
         f"reasoning turns), truncated {counts.get('truncated', 0)}, "
         f"skipped {train.skip_reasons(counts)}"
     )
+    if by_source := train.by_source(counts, cfg):  # several sources: each one's counts
+        print(f"=== by source: {json.dumps(by_source)}")
     if out_path:
         keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx")
         Path(out_path).write_text("".join(json.dumps({k: b[k].tolist() for k in keys}) + "\n" for b in shown))

@@ -1,0 +1,257 @@
+"""Users' data as they have it: each record's form found from its keys, with its loss rule; several sources mixed
+by weight, seeded, sharded and resumed exactly; a bad line said once."""
+
+import copy
+import itertools
+import json
+import re
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from conftest import SAMPLE, TORCHRUN, run, worker_env, write_tiny_job
+from test_masks import loss_runs, skip_reason
+
+import train
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": WEATHER}]},
+    {"role": "tool", "content": "18C"},
+    {"role": "assistant", "content": "18C in Paris."},
+    {"role": "user", "content": "And tomorrow?"},
+    {"role": "assistant", "content": "Rain."},
+]
+SHAREGPT = [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "Weather in Paris?"},
+    {"from": "function_call", "value": json.dumps(WEATHER)},
+    {"from": "observation", "value": "18C"},
+    {"from": "gpt", "value": "18C in Paris."},
+    {"from": "human", "value": "And tomorrow?"},
+    {"from": "gpt", "value": "Rain."},
+]
+
+
+def samples(record, tokenizer, **settings):
+    return train.samples_of(record, train.AssistantMasker(tokenizer), train.Config(**settings))
+
+
+def test_a_sharegpt_record_trains_exactly_as_the_same_messages(tokenizer):
+    [(ids, mask)] = samples({"messages": MESSAGES}, tokenizer)
+    assert samples({"conversations": SHAREGPT}, tokenizer) == [(ids, mask)]
+    runs = loss_runs(tokenizer, ids, mask)
+    assert len(runs) == 3 and "get_weather" in runs[0] and runs[1:] == ["18C in Paris.<|im_end|>", "Rain.<|im_end|>"]
+    named = samples({"dialogue": SHAREGPT}, tokenizer, messages_column="dialogue")  # any column, by messages_column
+    assert named == [(ids, mask)]
+
+
+def test_a_conversational_prompt_and_completion_trains_the_completions_turns_only(tokenizer):
+    """The same rendering as the whole conversation, its mask without the prompt's assistant turns."""
+    prompt, completion = MESSAGES[:6], MESSAGES[6:]
+    [(ids, mask)] = samples({"prompt": prompt, "completion": completion}, tokenizer)
+    [(whole_ids, whole_mask)] = samples({"messages": MESSAGES}, tokenizer)
+    assert ids == whole_ids and loss_runs(tokenizer, ids, mask) == ["Rain.<|im_end|>"]
+    completion_start = len(ids) - len(tokenizer(completion[0]["content"] + "<|im_end|>\n")["input_ids"])
+    assert mask == [m and i >= completion_start for i, m in enumerate(whole_mask)]
+    assert skip_reason(lambda: samples({"prompt": prompt, "completion": [MESSAGES[1]]}, tokenizer)) == (
+        "no assistant turn in the completion"
+    )
+    mixed = {"prompt": "Weather in Paris?", "completion": completion}
+    assert skip_reason(lambda: samples(mixed, tokenizer)) == "prompt and completion neither strings nor message lists"
+
+
+def test_plain_prompt_and_completion_and_text_train_without_a_template_as_trl_does(tokenizer):
+    """Strings: the prompt tokenized as for generation, then the completion and end-of-sequence carry the loss; a
+    text record carries it on every token. No chat template is needed."""
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    eos = tokenizer.eos_token_id
+    prompt_ids = tokenizer("The capital of France is")["input_ids"]
+    completion_ids = tokenizer(" Paris.", add_special_tokens=False)["input_ids"] + [eos]
+    for tok in (tokenizer, bare):
+        [(ids, mask)] = samples({"prompt": "The capital of France is", "completion": " Paris."}, tok)
+        assert ids == prompt_ids + completion_ids and mask == [False] * len(prompt_ids) + [True] * len(completion_ids)
+        [(ids, mask)] = samples({"text": "Once upon a time."}, tok)
+        assert tokenizer.decode(ids) == "Once upon a time.<|im_end|>" and all(mask)
+    block = train.make_block([(ids, mask)], 32, 0)  # every token a target but the first, which has no predecessor
+    assert block["labels"][0, 1 : len(ids)].tolist() == ids[1:] and block["loss_tokens"] == len(ids) - 1
+    no_template = skip_reason(lambda: samples({"messages": MESSAGES}, bare))
+    assert no_template.startswith("a conversation, and the tokenizer has no chat_template")
+    assert skip_reason(lambda: samples({"text": "  "}, tokenizer)) == "empty or non-string text or completion"
+
+
+def test_the_form_is_found_from_the_keys_unless_data_format_names_it(tokenizer):
+    both = {"messages": MESSAGES, "text": "the conversation, rendered elsewhere"}
+    assert samples(both, tokenizer) == samples({"messages": MESSAGES}, tokenizer)  # messages come first
+    assert samples(both, tokenizer, data_format="text") == samples({"text": both["text"]}, tokenizer)
+    pair = {"prompt": "2+2=", "completion": "4", "text": "2+2=4"}
+    assert samples(pair, tokenizer) == samples({"prompt": "2+2=", "completion": "4"}, tokenizer)
+    assert skip_reason(lambda: samples({"question": "?"}, tokenizer)) == "no column of a known form"
+    wrong = lambda: samples({"messages": MESSAGES}, tokenizer, data_format="prompt_completion")  # noqa: E731
+    assert skip_reason(wrong) == "no 'prompt' and 'completion' column"
+
+
+def test_inspect_data_shows_every_form_with_its_loss_spans(tiny_model_dir, tmp_path):
+    data = tmp_path / "forms.jsonl"
+    records = [
+        {"conversations": SHAREGPT},
+        {"prompt": [MESSAGES[1]], "completion": [{"role": "assistant", "content": "Sunny, 18C."}]},
+        {"prompt": "The capital of France is", "completion": " Paris."},
+        {"text": "Once upon a time."},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    command = [sys.executable, "tools/inspect_data.py", "4", "--dataset_name", str(data), "--max_seq_len", "512"]
+    command += ["--model_name", str(tiny_model_dir), "--model_revision", ""]
+    rc, out, err = run(command, timeout=60)
+    assert rc == 0, err
+    for trained in ("⟦Rain.<|im_end|>⟧", "⟦Sunny, 18C.<|im_end|>⟧", "France is⟦ Paris.<|im_end|>⟧"):
+        assert trained in out
+    [text] = [line for line in out.splitlines() if "upon a time" in line]
+    assert text.endswith("a time.<|im_end|>⟧") and text.count("⟦") == 1  # every token but the first, its target
+    assert "conversations 4" in out and "skipped {}" in out
+
+
+def write_texts(path, tag: str, n: int, bad: set = frozenset()):
+    """n records {"text": "<tag> <i>"}; those in bad are not JSON."""
+    lines = ["{not json\n" if i in bad else json.dumps({"text": f"{tag} {i}"}) + "\n" for i in range(n)]
+    path.write_text("".join(lines))
+    return str(path)
+
+
+@pytest.fixture()
+def two_sources(tmp_path):
+    big, small = write_texts(tmp_path / "big.jsonl", "big", 30), write_texts(tmp_path / "small.jsonl", "small", 5)
+    return ({"name": big, "weight": 3}, {"name": small, "weight": 1})
+
+
+def stream(cfg, part="train", shard=0, num_shards=1, start=0, epoch=0):
+    records = train.read_records(cfg, part, shard, num_shards, start, Counter(), epoch)
+    return [(index, record["text"], source) for index, record, source in records]
+
+
+def test_several_sources_are_interleaved_by_weight_seeded_until_each_has_run_out_once(two_sources):
+    cfg = train.Config(datasets=two_sources)
+    whole = stream(cfg)
+    texts = [text for _, text, _ in whole]
+    assert [index for index, _, _ in whole] == list(range(len(whole)))
+    assert [t for t in texts if t.startswith("big")] == [f"big {i}" for i in range(30)]  # once, in order
+    small = [t for t in texts if t.startswith("small")]
+    assert small == [f"small {i % 5}" for i in range(len(small))] and len(small) > 5  # read again while big lasts
+    assert 0.1 < len(small) / len(whole) < 0.45  # weight 1 of 4
+    assert whole == stream(cfg) and whole != stream(train.Config(datasets=two_sources, seed=1))
+    assert whole != stream(cfg, epoch=1)  # each epoch its own interleave
+    one = stream(train.Config(dataset_name=two_sources[1]["name"]))
+    assert one == stream(train.Config(datasets=two_sources[1:])) == [(i, f"small {i}", 0) for i in range(5)]
+
+
+def test_mixed_shards_are_disjoint_resume_at_any_record_and_hold_out_the_same_records_in_every_pass(two_sources):
+    cfg = train.Config(datasets=two_sources)
+    whole = stream(cfg)
+    shards = [stream(cfg, shard=s, num_shards=3) for s in range(3)]
+    assert sorted(itertools.chain(*shards)) == whole and all(i % 3 == s for s in range(3) for i, _, _ in shards[s])
+    assert stream(cfg, start=17) == whole[17:]
+    held = train.Config(datasets=two_sources, eval_fraction=0.3)
+    trained, held_out = {t for _, t, _ in stream(held)}, {t for _, t, _ in stream(held, "eval")}
+    assert trained and held_out and not trained & held_out and trained | held_out == {t for _, t, _ in whole}
+
+
+def test_a_mixed_stream_stopped_in_a_carried_buffer_resumes_on_the_same_blocks(tokenizer, tmp_path):
+    lines = open(SAMPLE).readlines()
+    (tmp_path / "a.jsonl").write_text("".join(lines[:60]))
+    sharegpt = [{"conversations": [{"from": {"user": "human"}.get(m["role"], "gpt"), "value": m["content"]} for m in
+                 json.loads(line)["messages"]]} for line in lines[60:90]]  # fmt: skip
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sharegpt))
+    datasets = ({"name": str(tmp_path / "a.jsonl")}, {"name": str(tmp_path / "b.jsonl"), "weight": 2})
+    cfg = train.Config(datasets=datasets, max_seq_len=1024, pack_buffer_blocks=2, num_workers=2)
+
+    def blocks(progress, resume=None, n=None):
+        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
+        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+
+    whole = blocks(train.Progress())
+    stopped = train.Progress()
+    first = blocks(stopped, n=7)
+    assert any(p.carried for p in stopped.streams.values()) and len(whole) > 12
+    rest = blocks(train.Progress(), resume=stopped)
+    assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
+
+
+def test_counts_are_kept_by_source_and_add_up_to_the_totals(tokenizer, tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(open(SAMPLE).readlines()[:10]))
+    bad = write_texts(tmp_path / "bad.jsonl", "bad", 6, bad={1, 4})
+    cfg = train.Config(datasets=({"name": str(good)}, {"name": bad}), max_seq_len=2048)
+    counts = [b for b in train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1)][-1]["position"].counts_at_end
+    by = train.by_source(counts, cfg)
+    assert by[str(good)]["conversations"] == 10 and "unreadable line" not in by[str(good)]
+    assert by[bad]["unreadable line"] >= 2 and by[bad]["conversations"] >= 4  # text records: trained
+    assert sum(source["conversations"] for source in by.values()) == counts["conversations"]
+    assert sum(source.get("unreadable line", 0) for source in by.values()) == counts["unreadable line"]
+    assert all(source["loss tokens"] <= source["tokens"] for source in by.values())
+    assert train.by_source(counts, train.Config(dataset_name=str(good))) == {}  # one source: the totals say it
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"datasets": [{"path": "a.jsonl"}]}, "each of datasets must be {name: str}"),
+        ({"datasets": ["a.jsonl"]}, "each of datasets must be {name: str}"),
+        ({"datasets": [{"name": "a.jsonl", "weight": 0}]}, "each of datasets must be {name: str}"),
+        ({"datasets": [{"name": "a.jsonl"}], "dataset_name": "b.jsonl"}, "set datasets or dataset_name, not both"),
+        ({"datasets": [{"name": "a.jsonl"}], "eval_split": "test"}, "with datasets, eval_split must be a local file"),
+        ({"datasets": [{"name": "a.jsonl"}, {"name": "b.jsonl"}], "eval_split": "b.jsonl"}, "is the training data"),
+    ],
+)
+def test_bad_datasets_are_refused_in_one_line(settings, message):
+    with pytest.raises(train.UserError, match=re.escape(message)):
+        train.load_config(("test", settings))
+
+
+def test_datasets_from_yaml_and_the_command_line(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("datasets:\n  - {name: a.jsonl, weight: 3}\n  - name: org/chats\n    split: train\n")
+    cfg, _ = train.parse_args(["--config", str(job)])
+    assert train.data_sources(cfg, "train") == [
+        {"name": "a.jsonl", "split": "train", "revision": "", "weight": 3},
+        {"name": "org/chats", "split": "train", "revision": "", "weight": 1},
+    ]
+    flags, _ = train.parse_args(["--datasets", "[{name: a.jsonl, weight: 3}, {name: org/chats, split: train}]"])
+    assert flags == cfg
+    assert train.fixed_on_resume(json.loads(json.dumps(train.dataclasses.asdict(cfg))), cfg) == {}  # as saved
+
+
+def bad_line_job(tmp_path, tiny_model_dir, **settings):
+    lines = open(SAMPLE).readlines()[:24]
+    lines.insert(5, "{not json\n")
+    (tmp_path / "data.jsonl").write_text("".join(lines))
+    job = {"dataset_name": str(tmp_path / "data.jsonl"), "output_dir": str(tmp_path / "out"), "export": False}
+    config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **job, **settings)
+    proc = run([*TORCHRUN, "train.py", "--config", str(config)], worker_env(), timeout=180)
+    return proc[0], proc[1] + proc[2]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("settings", [{"epochs": 2, "save_every": -1}, {"max_steps": 4, "save_every": -1}])
+def test_a_bad_line_is_said_once_by_the_rank_that_reads_it(settings, tiny_model_dir, tmp_path):
+    """Two ranks, two epochs (or no counting pass): the line is said in the counting pass or the first pass only."""
+    rc, output = bad_line_job(tmp_path, tiny_model_dir, **settings)
+    assert rc == 0, output[-3000:]
+    assert output.count("line 6 is not UTF-8 JSON: skipped") == 1, output[-3000:]
+
+
+@pytest.mark.distributed
+def test_the_skip_fraction_error_names_the_counts_over_all_ranks_without_a_counting_pass(tiny_model_dir, tmp_path):
+    """Rank 1 reads only records without an assistant turn; rank 0 none: the error, raised at a log line on every
+    rank, gives the reasons over all ranks (they add up to the skipped count), not rank 0's."""
+    good, bad = json.loads(open(SAMPLE).readline()), {"messages": [{"role": "user", "content": "anyone?"}]}
+    (tmp_path / "half.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, bad] * 20))
+    job = {"dataset_name": str(tmp_path / "half.jsonl"), "output_dir": str(tmp_path / "out"), "max_steps": 3}
+    config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **job, log_every=1, save_every=-1)
+    rc, out, err = run([*TORCHRUN, "train.py", "--config", str(config)], worker_env(), timeout=180)
+    found = re.search(r"(\d+) of (\d+) records cannot be trained on .*: \{'no assistant turn': (\d+)\}", err)
+    assert rc != 0 and found, (out + err)[-3000:]
+    assert found[1] == found[3] and int(found[1]) > 0 and "on this rank" not in err
