@@ -170,18 +170,16 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         how = {"store": attempt_store(world_size)} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
-        device_id = device if backend == "nccl" else None
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
+            how["device_id"] = device
             traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}
             for key, value in (NCCL_ON_TIMEOUT | traces).items():
                 os.environ.setdefault(key, value)  # a user's own setting wins
             with contextlib.suppress(OSError):  # check_output_dir says it in one line
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
-        dist.init_process_group(
-            backend, timeout=STARTUP_TIMEOUT, device_id=device_id, rank=rank, world_size=world_size, **how
-        )
+        dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
-        exit_with_launcher()
+        threading.Thread(target=exit_with_launcher, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
     return Dist(rank, world_size, device, owns_group)
 
 
@@ -721,8 +719,7 @@ def model_config(name: str | Path, revision: str = "", trust_remote_code: bool =
 
 
 def recompute_share(value: str) -> float | None:
-    """activation_checkpointing as the share of layers to recompute; None for auto."""
-    return None if value == "auto" else float(value)
+    return None if value == "auto" else float(value)  # activation_checkpointing as the share of layers recomputed
 
 
 def build_model(config, cfg: Config, attn: str, device: torch.device):
@@ -747,8 +744,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping). A
         # share f recomputes an evenly spread f of the layers; auto starts with all (RecomputeProbe keeps some).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        n = len(layers)
-        k = round((1.0 if share is None else share) * n)  # layers recomputed; integer arithmetic spreads them
+        n, k = len(layers), round((1.0 if share is None else share) * len(layers))  # k: the layers recomputed
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
     if cfg.float8:
@@ -760,8 +756,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     if cfg.compile:
         compile_elementwise(layers)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    dtypes = getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype)
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
+    policy = MixedPrecisionPolicy(getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype))  # param, reduce
     for module in [*layers, model]:  # each decoder layer, then the root
         fully_shard(module, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
@@ -883,9 +878,7 @@ def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
 
 # ---- One step, the loop, the entry points ------------------------------------------------------------------------
 @dataclasses.dataclass
-class Progress:
-    """This rank's resumable state, saved with every checkpoint: the step, and where each data stream is."""
-
+class Progress:  # this rank's resumable state, saved with every checkpoint: the step, where each data stream is
     step: int = 0
     streams: dict = dataclasses.field(default_factory=dict)  # slot -> StreamPosition of its last block taken
     next_slot: int = 0
@@ -907,9 +900,7 @@ class Progress:
 
 
 @dataclasses.dataclass
-class Job:
-    """What a step, the loop and the operations work on."""
-
+class Job:  # what a step, the loop and the operations work on
     cfg: Config
     d: Dist
     model: torch.nn.Module
@@ -922,9 +913,7 @@ class Job:
 
 
 @dataclasses.dataclass
-class StepStats:
-    """A step's counts over all ranks, and its results."""
-
+class StepStats:  # a step's counts over all ranks, and its results
     max_blocks: int  # the most blocks a rank had: 0 when every rank's data has run out
     blocks: int
     loss_tokens: int
@@ -969,7 +958,6 @@ def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Confi
 
 def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepStats:
     """One optimizer step over this rank's blocks, fillers once they run out; none once every rank's have.
-
     The loss is the global token mean: each rank's backward uses sum(per-token CE) * world_size / (the step's loss
     tokens over all ranks), and FSDP's average over ranks cancels world_size. A NaN or inf anywhere reaches every rank's
     gradient norm: all skip the same steps."""
@@ -1003,9 +991,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     return stats
 
 
-class Operation:
-    """An operation the loop drives; each decides its own cadence. This one does nothing: it stands in for one off."""
-
+class Operation:  # what the loop drives, each at its own cadence; this one does nothing: it stands in for one off
     last_loss = None  # the log's and the evaluator's last loss
 
     def after_step(self, job: Job, stats: StepStats) -> None: ...
@@ -1071,9 +1057,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         with stop_on_sigterm(), HangWatch(job) as watch:
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
-            # First the watch, whose at_end gives the final save, eval and export the long timeout; the probe reads
-            # step 2's peak before a save or eval.
-            operations = [watch, log, probe, checkpoints, evaluator]
+            # First the watch, whose at_end gives the final save, eval and export the long timeout
+            operations = [watch, log, probe, checkpoints, evaluator]  # the probe: step 2's peak before a save or eval
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
@@ -1249,17 +1234,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def exit_with_launcher() -> None:
-    """torchrun's workers have sessions of their own: killed alone, it would leave them training."""
-    launcher = os.getppid()
-
-    def watch():
-        while os.getppid() == launcher:
-            time.sleep(1)
-        print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+def exit_with_launcher(launcher: int) -> None:
+    """Run in a thread: torchrun's workers have sessions of their own, so killed alone it would leave them training."""
+    while os.getppid() == launcher:
+        time.sleep(1)
+    print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
+    os._exit(1)
 
 
 def on_every_rank(check, d: Dist):
@@ -1347,11 +1327,10 @@ def require_kernels(config) -> None:
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
     if fla_refuses_hopper_backward():
-        raise UserError(
-            "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4, "
-            "< 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead: "
-            "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
-        )
+        why = "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4,"
+        why += " < 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead"
+        fix = "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
+        raise UserError(f"{why}: {fix}")
 
 
 def fla_refuses_hopper_backward() -> bool:
@@ -1421,8 +1400,7 @@ def pretrained_dir(cfg: Config) -> Path:
 
 
 def checkpoint_dtypes(path: Path) -> dict:
-    """{tensor name: dtype} of a Hugging Face safetensors checkpoint, from its headers."""
-    metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
+    metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata  # the safetensors headers
     return {name: meta.properties.dtype for name, meta in metadata.items()}
 
 
@@ -1593,8 +1571,7 @@ class Checkpointer(Operation, AsyncStager):
         self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
         if job.cfg.save_every >= 0:  # saves wait on this group, whose timeout stays long (not collective_timeout_s)
             self.group = dist.new_group(backend="gloo")
-        if job.cfg.async_save and job.cfg.save_every >= 0:
-            # The host memory of the staged copy (weights, and AdamW's two moments of the trained ones).
+        if job.cfg.async_save and job.cfg.save_every >= 0:  # the staged copy's host memory (weights, AdamW's moments)
             ranks, gib = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size)), 2**30
             rank = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters()) / gib
             node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / gib
@@ -1606,24 +1583,19 @@ class Checkpointer(Operation, AsyncStager):
         if self.pending and self.pending[0] and not all_reduced(int(not self.pending[0].done()), job.d):
             self.finish()  # no rank's background write is still running
         self.prepare()
-        if self.due(job.progress.step) and job.progress.step < job.total_steps:
+        cfg, step = job.cfg, job.progress.step
+        due = cfg.save_every > 0 and step % cfg.save_every == 0
+        if not due and cfg.save_every_minutes and cfg.save_every >= 0:  # after the last save, by rank 0's clock
+            late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=job.d.device)
+            dist.broadcast(late, src=0)
+            due = bool(late)
+        if due and step < job.total_steps:
             self.save()
 
     def at_end(self, job: Job, why: str) -> None:
         if why != "diverged" and job.cfg.save_every >= 0 and job.progress.step != self.saved_step:
             self.save()
         self.finish()
-
-    def due(self, step: int) -> bool:
-        """Every save_every steps, or save_every_minutes after the last save (rank 0's clock decides)."""
-        cfg, d = self.job.cfg, self.job.d
-        if cfg.save_every > 0 and step % cfg.save_every == 0:
-            return True
-        if not cfg.save_every_minutes or cfg.save_every < 0:
-            return False
-        late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=d.device)
-        dist.broadcast(late, src=0)
-        return bool(late)
 
     def state(self) -> dict:
         model_state, optimizer_state = get_state_dict(self.job.model, self.job.optimizer)
@@ -1819,19 +1791,17 @@ def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> lis
 
 
 def alloc_retries() -> int:
-    """CUDA's caching-allocator retries since the start (each a stall)."""
-    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)  # CUDA's, since the start (each a stall)
 
 
-# ---- Metrics and MLflow ------------------------------------------------------------------------------------------
+# ---- Metrics, MLflow and eval ------------------------------------------------------------------------------------
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
 
 def matmul_params(model) -> int:
-    """Parameters that cost 2 FLOPs per token each forward: the decoder layers and the LM head."""
     layers = sum(p.numel() for p in model.get_decoder().layers.parameters())
-    return layers + model.get_output_embeddings().weight.numel()
+    return layers + model.get_output_embeddings().weight.numel()  # the parameters costing 2 FLOPs per token forward
 
 
 def attention_flops_per_sq_token(model) -> int:
@@ -1948,7 +1918,6 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         self.write({"step": progress.step, "data_seen": data})
 
 
-# ---- Eval --------------------------------------------------------------------------------------------------------
 class Evaluator(Operation):
     """The token-weighted loss on eval_blocks held-out blocks per rank, every eval_every steps and at the end."""
 
@@ -1988,8 +1957,6 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
     torchrun restarts the workers. Every rank beats in the process group's store; one kept waiting names the ranks
     that went silent (stopped, frozen, gone) and prints where it waits, before the timeout ends it."""
 
-    BEAT_S = 5.0
-
     def __init__(self, job: Job):
         self.job, self.done, self.last, self.said = job, threading.Event(), None, False  # last: this rank's last step
 
@@ -2009,9 +1976,9 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
         self.at_end(self.job, "left")
 
     def watch(self, store) -> None:
-        d, timeout, pause = self.job.d, self.job.cfg.collective_timeout_s, 0.0
-        while not self.done.wait(pause):  # a beat now, then one every BEAT_S
-            pause = self.BEAT_S
+        d, timeout, beat_s, pause = self.job.d, self.job.cfg.collective_timeout_s, 5.0, 0.0
+        while not self.done.wait(pause):  # a beat now, then one every beat_s
+            pause = beat_s
             with contextlib.suppress(RuntimeError):  # the store is gone with the run: so is the watch
                 store.set(f"beat/{d.rank}", str(time.time()))
             if self.said or (waited := time.monotonic() - self.last) < 0.8 * timeout:
@@ -2019,7 +1986,7 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
             now, keys = time.time(), [f"beat/{r}" for r in range(d.world_size)]
             beats = [float(store.get(k)) if store.check([k]) else None for k in keys]
             silent = [f"rank {r} ({'no beat' if t is None else f'{now - t:.0f} s'})" for r, t in enumerate(beats)]
-            silent = [text for text, t in zip(silent, beats) if t is None or t < now - 2 * self.BEAT_S]
+            silent = [text for text, t in zip(silent, beats) if t is None or t < now - 2 * beat_s]
             line = f"rank {d.rank}: no step has ended for {waited:.0f} s (next: step {self.job.progress.step + 1}); "
             line += f"silent ranks: {', '.join(silent) or 'none (each prints where it is)'}; a training collective"
             line += f" times out at {timeout:.0f} s, a save waits up to {STARTUP_TIMEOUT}. Where this rank is:"
@@ -2120,8 +2087,7 @@ class Interrupted(Exception):
 
 
 def stop_requested(d: Dist) -> bool:
-    """Whether any rank got SIGTERM (the loop then stops): the same answer on every rank."""
-    return bool(all_reduced(float(STOP.is_set()), d, dist.ReduceOp.MAX))
+    return bool(all_reduced(float(STOP.is_set()), d, dist.ReduceOp.MAX))  # any rank's SIGTERM, the same on every rank
 
 
 @contextlib.contextmanager
@@ -2142,8 +2108,7 @@ def stop_on_sigterm():
 
 
 def leave_process_group(worker_id: int) -> None:
-    """A DataLoader worker leaves the process group torchrun signals: SIGTERM is the training process's to handle."""
-    os.setpgrp()
+    os.setpgrp()  # a DataLoader worker leaves the process group torchrun signals: SIGTERM is the training process's
 
 
 def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
