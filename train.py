@@ -227,22 +227,18 @@ def source_records(source: dict):
     from datasets import load_dataset  # imported here: a .jsonl file does not need it
 
     if path.suffix in (".json", ".parquet"):
-        stream = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
+        rows = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
     else:
-        revision = source["revision"] or None
-        stream = load_dataset(source["name"], split=source["split"], streaming=True, revision=revision)
-    yield from enumerate(stream)
+        rows = load_dataset(source["name"], split=source["split"], streaming=True, revision=source["revision"] or None)
+    yield from enumerate(rows)
 
 
-def decoded(record):
-    """A record; a JSON line's, decoded; None for a line that is not UTF-8 JSON."""
+def decoded(record):  # a record, a JSON line's decoded; None for a line that is not UTF-8 JSON
     with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
         return json.loads(record.decode("utf-8")) if isinstance(record, bytes) else record
 
 
-def read_records(
-    cfg: Config, part: str, shard: int, num_shards: int, start: int, skips: Counter, epoch=0, report=False
-):
+def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int, skips, epoch=0, report=False):
     """(index, record, source) of shard index % num_shards from start on: the sources drawn by weight, seeded, one that
     runs out read again until each has (an epoch). Every shard reads all, so any source splits; a seeded hash of a
     record's place holds it out (eval_fraction). report: the first few unreadable lines, read by one shard."""

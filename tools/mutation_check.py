@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Mutant:
     name: str
-    claim: str  # masks, packing, resume, loss, export, faults
+    claim: str  # masks, packing, resume, loss, export, faults, data
     old: str
     new: str
     tests: list[str]  # pytest's arguments (files, -k filters), run in the mutated copy
 
 
 DISTRIBUTED_LOSS = ["tests/test_distributed.py", "-k", "unequal_loss_tokens"]
-MASKS, FAULTS = ["tests/test_masks.py"], ["tests/test_faults.py"]
+MASKS, FAULTS, FORMS = ["tests/test_masks.py"], ["tests/test_faults.py"], ["tests/test_forms.py"]
 SIGKILL_RESUME = ["tests/test_checkpoint.py", "-k", "resume_after_sigkill"]
 MUTANTS = [
     # The five plausible bugs a review found the suite blind to (issue 29).
@@ -68,8 +68,8 @@ MUTANTS = [
            "        positions += range(len(positions), len(positions) + len(seg_ids))",
            ["tests/test_packing.py", "tests/test_model.py"]),
     Mutant("packing-shards-overlap", "packing",
-           "index % num_shards != shard or not line.strip()",
-           "index % num_shards > shard or not line.strip()", ["tests/test_packing.py"]),
+           "if index < start or index % num_shards != shard or",
+           "if index < start or index % num_shards > shard or", ["tests/test_packing.py"]),
     Mutant("packing-cache-on", "packing",
            '"use_cache": False,  # a cache', '"use_cache": True,  # a cache', ["tests/test_model.py"]),
     # Resume
@@ -118,6 +118,32 @@ MUTANTS = [
            "            dcp.save(state, checkpoint_id=str(path), process_group=self.group)",
            "            dcp.save(state, checkpoint_id=str(path))",
            ["tests/test_checkpoint.py", "-k", "longer_than"]),
+    # Users' data (issue 27)
+    Mutant("data-sharegpt-roles-kept", "data",
+           '                m = {"role": SHAREGPT_ROLES.get(said, said), "content": value}',
+           '                m = {"role": said, "content": value}', FORMS + ["-k", "sharegpt"]),
+    Mutant("data-completion-trains-the-prompt", "data",
+           '    trained_from = len(prompt) if form == "prompt_completion" else 0', "    trained_from = 0",
+           FORMS + ["-k", "conversational_prompt"]),
+    Mutant("data-plain-trains-the-prompt", "data",
+           "[False] * len(prompt_ids) + [True] * len(completion_ids)",
+           "[True] * (len(prompt_ids) + len(completion_ids))", FORMS + ["-k", "plain"]),
+    Mutant("data-plain-no-end-of-sequence", "data",
+           "        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []", "        eos = []",
+           FORMS + ["-k", "plain"]),
+    Mutant("data-mixture-stops-at-the-first-end", "data",
+           "    while len(ended) < len(sources):", "    while not ended:", FORMS + ["-k", "interleaved"]),
+    Mutant("data-mixture-same-order-every-epoch", "data",
+           'random.Random(f"{cfg.seed}/{epoch}")', 'random.Random(f"{cfg.seed}")', FORMS + ["-k", "interleaved"]),
+    Mutant("data-held-out-by-stream-index", "data",
+           '        place = f"{cfg.seed}/{i}" if s == 0 else f"{cfg.seed}/{s}/{i}"',
+           '        place = f"{cfg.seed}/{index}"', FORMS + ["-k", "hold_out"]),
+    Mutant("data-bad-line-said-in-every-pass", "data",
+           "d.rank, d.world_size, cfg.epochs, progress, packing is None))",
+           "d.rank, d.world_size, cfg.epochs, progress, True))", FORMS + ["-k", "said_once"]),
+    Mutant("data-skip-error-names-this-rank", "data",
+           "lambda: skip_reasons(gathered(data, self.d))", "lambda: skip_reasons(data)",
+           FORMS + ["-k", "skip_fraction_error"]),
 ]  # fmt: skip
 
 
