@@ -9,8 +9,8 @@ Part I, the recipe, in the order it runs: settings (one dataclass; $HYPERPARAMET
 whole conversations packed into blocks with the signals that keep them apart) -> model (meta device, activation
 checkpointing, fully_shard per decoder layer then the root, each rank reading its own slices of the checkpoint) ->
 loss, optimizer and step (the token mean over all ranks) -> the loop -> run(), train(config), main().
-Part II, operations: parsing, startup checks, counting, checkpoints and resume, the recompute probe, metrics,
-eval, the run lock and SIGTERM, the Hugging Face export.
+Part II, operations: parsing, startup checks, counting, checkpoints and resume, the recompute probe, metrics, eval,
+the run lock and SIGTERM, the Hugging Face export.
 
   GPU node:   torchrun --nproc_per_node=8 train.py
   multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
@@ -79,9 +79,7 @@ resumable = partial(setting, resumable=True)  # a setting that may change on res
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Every setting of a run, with the default job's values; checked on construction (check_settings)."""
-
+class Config:  # every setting of a run, with the default job's values; checked on construction (check_settings)
     # Model. Revisions pin hub repos, so runs stay comparable ("" = latest).
     model_name: str = setting("Qwen/Qwen3.8-27B", "hub name or local directory")
     model_revision: str = setting("1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0", "hub revision (also the tokenizer's)")
@@ -184,9 +182,8 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
 
 
 def attempt_store(world_size: int):
-    """torchrun's store under this attempt's keys: it outlives a restart of the workers, and a restarted rank would
-    read the failed attempt's addresses (torch's env:// does not keep attempts apart). None: rank 0 hosts a new one.
-    Refused for restarts over several nodes: each torchrun counts its own, so their keys would differ."""
+    """torchrun's store under this attempt's keys (it outlives a restart; env:// would hand a restarted rank the failed
+    attempt's addresses); None: rank 0 hosts a new one. Refused for restarts over several nodes: their keys differ."""
     env = os.environ.get
     if env("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -217,8 +214,7 @@ def label(source: dict) -> str:
     return source["name"] if Path(source["name"]).suffix else f"{source['name']} [{source['split']}]"
 
 
-def source_records(source: dict):
-    """(index, record) of one pass over a source; a JSON line as its bytes, decoded only where it is taken."""
+def source_records(source: dict):  # (index, record) of a pass over it; a JSON line stays bytes until it is taken
     path = Path(source["name"])
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
@@ -300,11 +296,11 @@ def samples_of(record: dict, masker: AssistantMasker, cfg: Config) -> list[tuple
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
+EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside conversations, not a skip reason
 
 
 def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
-    """Messages and tools as templates take them: ShareGPT's from/value as role/content, text parts joined, JSON-text
-    arguments parsed, reasoning dropped (reasoning: drop)."""
+    """As templates take them: ShareGPT's from/value as role/content, text parts joined, JSON-text arguments parsed."""
     try:
         tools = json.loads(tools) if isinstance(tools, str) else tools
         if not isinstance(messages, list):
@@ -336,8 +332,7 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
     return joined, tools
 
 
-def parsed_arguments(call):
-    """A tool call's arguments as a mapping, None values dropped (Parquet gives each call every call's keys)."""
+def parsed_arguments(call):  # its arguments as a mapping, without None values (Parquet gives each call every key)
     function = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
@@ -387,8 +382,7 @@ class AssistantMasker:
         return samples
 
     def __call__(self, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[bool]]:
-        """One rendering of the whole conversation: (ids, mask)."""
-        return self.render([self.reasoning_apart(m) for m in messages], tools)[:2]
+        return self.render([self.reasoning_apart(m) for m in messages], tools)[:2]  # the whole conversation, once
 
     def plain(self, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
         """No template, as TRL: the prompt tokenized as for generation, then the completion tokenized on its own and
@@ -401,8 +395,7 @@ class AssistantMasker:
         return prompt_ids + completion_ids, [False] * len(prompt_ids) + [True] * len(completion_ids)
 
     def reasoning_apart(self, m: dict) -> dict:
-        """`<think>...</think>` at an assistant content's start as reasoning_content, for templates that render it."""
-        content = m["content"]
+        content = m["content"]  # a leading `<think>...</think>` as reasoning_content, for templates that render it
         if not self.renders_reasoning or m["role"] != "assistant" or "</think>" not in content:
             return m
         reasoning, _, answer = content.partition("</think>")
@@ -484,9 +477,6 @@ class AssistantMasker:
         return start, end
 
 
-EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside conversations, not a skip reason
-
-
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
     """(index, samples) per trainable record; counts skips by reason, truncations, extra samples and tokens (count)."""
     for index, record, source in records:
@@ -520,8 +510,7 @@ def skip_reasons(counts: dict) -> dict:
     return {k: v for k, v in counts.items() if isinstance(k, str) and k not in kept}  # over all sources
 
 
-def by_source(counts: dict, cfg: Config) -> dict:
-    """{source: {what: count}} when there are several sources."""
+def by_source(counts: dict, cfg: Config) -> dict:  # {source: {what: count}} when there are several sources
     sources, out = data_sources(cfg, "train"), {}
     for key, n in sorted((k, v) for k, v in counts.items() if isinstance(k, tuple) and len(sources) > 1):
         out.setdefault(label(sources[key[0]]), {})[key[1]] = n
@@ -572,20 +561,16 @@ def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad
     }
 
 
-def filler_block(pad_id: int) -> dict:
-    """What a rank whose data ran out feeds FSDP's collectives while others train: loss and gradient 0."""
+def filler_block(pad_id: int) -> dict:  # what a rank whose data ran out feeds FSDP's collectives: loss, gradient 0
     return {**make_block([([pad_id] * 16, [False] * 16)], 16, pad_id), "tokens": 0, "sum_sq_len": 0}
 
 
-def pad_token_id(tokenizer) -> int:
-    """Padding carries no loss, so any id will do; Llama's tokenizer has no pad token: end-of-sequence."""
+def pad_token_id(tokenizer) -> int:  # padding carries no loss, so any id will do; Llama's has none: end-of-sequence
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 @dataclasses.dataclass
-class StreamPosition:
-    """Where a block sits in its stream: a resume packs its buffer again and passes over the blocks taken."""
-
+class StreamPosition:  # where a block sits in its stream: a resume packs its buffer again, skipping the blocks taken
     slot: int  # the DataLoader worker slot that reads this stream
     epoch: int
     record: int  # index of the buffer's first record in the stream
@@ -597,13 +582,10 @@ class StreamPosition:
 
 
 class PackedBlocks(IterableDataset):
-    """This rank's blocks, `epochs` passes over its shard: worker slot s of rank r reads shard r * workers + s and packs
-    buffers of pack_buffer_blocks blocks' worth, yielding them in a seeded order. resume: a Progress; worker w reads
-    slot (w + next_slot) % workers, the DataLoader's turn order."""
+    """This rank's blocks, `epochs` passes over its shard: worker slot s of rank r reads shard r * workers + s, packing
+    buffers of pack_buffer_blocks blocks' worth. resume: a Progress; worker w reads slot (w + next_slot) % workers."""
 
-    def __init__(
-        self, cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None, report=True
-    ):
+    def __init__(self, cfg: Config, tokenizer, part: str, rank, world_size, epochs, resume=None, report=True):
         self.cfg, self.tok, self.part, self.report = cfg, tokenizer, part, report  # report: read_records'
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
         self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)
@@ -641,8 +623,7 @@ class PackedBlocks(IterableDataset):
         yield {"position": StreamPosition(slot, self.epochs, 0, 0, dict(counts), dict(counts))}
 
     def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int, carry: bool):
-        """Yields the buffer's blocks in a seeded order but the emptiest: carry returns its members for the next
-        buffer, else it comes last. So the only sparse block of a stream ends an epoch."""
+        """Yields the blocks in a seeded order; the emptiest ends the epoch, or (carry) returns for the next buffer."""
         bins = best_fit_decreasing([len(ids) for ids, _ in buffer], self.cfg.max_seq_len)
         emptiest = min(bins, key=lambda b: sum(len(buffer[i][0]) for i in b), default=[])
         bins = [b for b in bins if b is not emptiest]
@@ -719,8 +700,7 @@ def recompute_share(value: str) -> float | None:
 
 
 def build_model(config, cfg: Config, attn: str, device: torch.device):
-    """The model, sharded: built on the meta device, activation checkpointing, fully_shard each decoder layer then the
-    root, each rank's shards allocated; kept in master_dtype, computed in param_dtype."""
+    """The model on the meta device, activation checkpointing, fully_shard per layer then the root, shards allocated."""
     import transformers
 
     image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping
@@ -782,8 +762,7 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
 
 
 def init_random(model, seed: int) -> None:
-    """init: random (benchmarks and tests): the model's own initialiser on this rank's shards."""
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # init: random (benchmarks and tests): the model's own initialiser on this rank's shards
     # implicit_replication: an initialiser that copies a plain tensor into a shard (A_log) copies this rank's slice.
     with torch.no_grad(), implicit_replication():
         for module in model.modules():
@@ -791,8 +770,7 @@ def init_random(model, seed: int) -> None:
 
 
 # ---- Loss: the LM head and cross-entropy on the loss positions only, in chunks -----------------------------------
-def packed_inputs(block: dict) -> dict:
-    """The model's inputs for a packed block: the token ids and the signals that keep its conversations apart."""
+def packed_inputs(block: dict) -> dict:  # the token ids and the signals that keep the block's conversations apart
     return {
         "input_ids": block["input_ids"],
         "position_ids": block["position_ids"],  # full attention: rotary positions, and sdpa's block mask
@@ -953,10 +931,9 @@ def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Confi
 
 
 def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepStats:
-    """One optimizer step over this rank's blocks, fillers once they run out; none once every rank's have.
-    The loss is the global token mean: each rank's backward uses sum(per-token CE) * world_size / (the step's loss
-    tokens over all ranks), and FSDP's average over ranks cancels world_size. A NaN or inf anywhere reaches every rank's
-    gradient norm: all skip the same steps."""
+    """One optimizer step over this rank's blocks, fillers once they run out; none once every rank's have. The loss is
+    the global token mean: each rank's backward uses sum(per-token CE) * world_size / all ranks' loss tokens, and FSDP's
+    average over ranks cancels world_size. A NaN or inf anywhere reaches every rank's grad norm: all skip alike."""
     cfg, d, progress, optimizer = job.cfg, job.d, job.progress, job.optimizer
     stats = dataclasses.replace(global_counts(blocks, d), data_wait_s=data_wait_s)
     if stats.max_blocks == 0:
@@ -1029,8 +1006,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     else:
         max_blocks, packing = count_blocks(cfg, tokenizer, d)
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
-    # The data stream starts now: its worker packs the first buffer while the weights load.
-    # A bad line is said once: in the counting pass, or without one here.
+    # The stream starts now (its worker packs while the weights load); a bad line is said once: counting, or here.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
     source = on_every_rank(partial(pretrained_dir, cfg), d)
     t0 = time.perf_counter()
@@ -1152,9 +1128,7 @@ def check_settings(cfg: Config) -> None:
         raise UserError("bad configuration: set eval_split or eval_fraction, not both")
     if cfg.datasets and cfg.eval_split and not Path(cfg.eval_split).suffix:
         raise UserError("bad configuration: with datasets, eval_split must be a local file; or set eval_fraction")
-    if cfg.eval_split and any(
-        same_source(data_sources(cfg, "eval")[0], source) for source in data_sources(cfg, "train")
-    ):
+    if cfg.eval_split and any(same_source(data_sources(cfg, "eval")[0], s) for s in data_sources(cfg, "train")):
         fix = "give a held-out file or split, or set eval_fraction to hold out a share of the records"
         raise UserError(f"bad configuration: eval_split {cfg.eval_split!r} is the training data: {fix}")
 
@@ -1223,7 +1197,7 @@ def fixed_on_resume(saved: dict, cfg: Config) -> dict:
     return {k: (old[k], new[k]) for k, f in fields.items() if not f.metadata["resumable"] and old[k] != new[k]}
 
 
-# ---- Startup checks: everything that can fail without the weights fails first, on every rank alike ---------------
+# ---- Startup checks (what can fail without the weights fails first, on every rank alike), the counting pass ------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1329,8 +1303,7 @@ def require_kernels(config) -> None:
         raise UserError(f"{why}: {fix}")
 
 
-def fla_refuses_hopper_backward() -> bool:
-    """fla's guard (raised at the first backward): Hopper, Triton in [3.4, 3.7.1), no TileLang backend."""
+def fla_refuses_hopper_backward() -> bool:  # fla's first-backward guard: Hopper, Triton in [3.4, 3.7.1), no TileLang
     import fla.ops.common.chunk_o as guard
     from fla.ops.common.backends.tilelang import CommonTileLangBackend
 
@@ -1338,8 +1311,7 @@ def fla_refuses_hopper_backward() -> bool:
     return guarded and not CommonTileLangBackend.can_use()
 
 
-def check_data(cfg: Config, part: str) -> None:
-    """A source that is missing, unreadable, empty or of no known form stops the run first."""
+def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable, empty or of no known form stops the run
     for source in data_sources(cfg, part):
         name, where = source["name"], label(source)
         if Path(name).suffix and not Path(name).is_file():
@@ -1365,8 +1337,7 @@ def check_data(cfg: Config, part: str) -> None:
             raise UserError(f"dataset {where} has {reasons[0]} in its first records; {fix}")
 
 
-def from_hub(load, name: str):
-    """Runs a hub load; a gated or private repo without a token becomes an error that says what to do."""
+def from_hub(load, name: str):  # a hub load; a gated or private repo without a token: an error saying what to do
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:
@@ -1381,8 +1352,7 @@ def from_hub(load, name: str):
 
 
 def pretrained_dir(cfg: Config) -> Path:
-    """model_name, or its hub snapshot (one download per node, by the hub's file locks); safetensors only."""
-    path = Path(cfg.model_name)
+    path = Path(cfg.model_name)  # or its hub snapshot (one download per node: the hub locks files); safetensors only
     if not path.is_dir():
         files = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
         from huggingface_hub import snapshot_download
@@ -1401,8 +1371,7 @@ def checkpoint_dtypes(path: Path) -> dict:
 
 
 def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: int, seconds: float) -> str:
-    """The log's lines on the model and the numbers derived from the settings."""
-    layers = model.get_decoder().layers
+    layers = model.get_decoder().layers  # the log's lines on the model, and the numbers derived from the settings
     recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
     recomputed += " until activation_checkpointing auto decides" if recompute_is_measured(cfg, d.device) else ""
     return (
@@ -1416,13 +1385,11 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
     )
 
 
-# ---- The counting pass -------------------------------------------------------------------------------------------
 COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
 
 
 def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
-    """The counting pass: this rank's shard packed once, no model: the exact step count, and bad data early."""
-    t0 = shown = time.monotonic()
+    t0 = shown = time.monotonic()  # this rank's shard packed once, no model: the exact step count, bad data early
     seen, tokens, loss_tokens = Progress(), 0, 0
     loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
     for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
@@ -1435,9 +1402,8 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     blocks_per_rank, counts = [t[0] for t in totals], sum((Counter(t[3]) for t in totals), Counter())
     capacity, skipped = max(1, sum(blocks_per_rank) * cfg.max_seq_len), skip_reasons(counts)
     stats = {"blocks": sum(blocks_per_rank), "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)]}
-    stats |= {"conversations": counts["conversations"]}
-    stats |= {"non_padding_fraction": round(sum(t[1] for t in totals) / capacity, 4)}
-    stats |= {"loss_token_fraction": round(sum(t[2] for t in totals) / capacity, 4)}
+    fill, loss_fill = (round(sum(t[k] for t in totals) / capacity, 4) for k in (1, 2))
+    stats |= {"conversations": counts["conversations"], "non_padding_fraction": fill, "loss_token_fraction": loss_fill}
     stats |= {"extra_samples_for_reasoning": counts[EXTRA_SAMPLES], "truncated": counts["truncated"]}
     stats |= {"skipped": sum(skipped.values()), "skipped_by_reason": skipped}
     stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
@@ -1480,8 +1446,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()  # read whole: only files under 64 MiB are hashed (finish)
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a complete checkpoint, by its complete.json's sizes and hashes, or None."""
+def checkpoint_problem(path: Path) -> str | None:  # what is wrong with it by complete.json's sizes and hashes, or None
     try:
         meta = checkpoint_meta(path)
         for name, size in meta["files"].items():
@@ -1492,7 +1457,6 @@ def checkpoint_problem(path: Path) -> str | None:
                 return f"{name} differs from what was written"
     except (FileNotFoundError, KeyError, ValueError, AttributeError, TypeError) as e:  # a missing file, a broken json
         return f"{type(e).__name__}: {e}"
-    return None
 
 
 def resume_point(cfg: Config, d: Dist) -> Path | None:
@@ -1508,7 +1472,6 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:
             print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
         if candidates:
             raise UserError(f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again")
-        return None
 
     return decided_by_rank_0(newest_intact, f"cannot read the checkpoints in {cfg.output_dir}", d)
 
@@ -1521,9 +1484,8 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
         changes = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(fixed.items()))
         line = f"{path} was written with other {sorted(fixed)} ({changes}): a resumed run keeps the data layout, the"
         raise UserError(f"{line} batch and the optimizer of its checkpoint. Restore them, or use another output_dir")
-    if changed := {
-        k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if meta["config"].get(k) != v
-    }:
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as JSON, as saved: lists, not tuples
+    if changed := {k: v for k, v in now.items() if meta["config"].get(k) != v}:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
     torch.set_rng_state(saved["rng"]["torch"])
@@ -1546,8 +1508,7 @@ def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist)
     print0(d.rank, f"resumed from {path} ({step}) in {seconds:.1f}s")
 
 
-def walk_tensors(value, fn, key: tuple = ()):
-    """A copy of a nested state with each tensor replaced by fn(its key path, the tensor)."""
+def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each tensor as fn(its key path, the tensor)
     if isinstance(value, dict):
         return {k: walk_tensors(v, fn, (*key, k)) for k, v in value.items()}
     if isinstance(value, list):
@@ -1557,8 +1518,7 @@ def walk_tensors(value, fn, key: tuple = ()):
 
 class Checkpointer(Operation, AsyncStager):
     """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once rank 0 writes complete.json
-    after every rank's write. Every save_every steps, save_every_minutes and at the end; async_save writes a host
-    copy in a thread over a gloo group (this is its stager). The log's open window is written first."""
+    after all ranks have: each save_every steps, save_every_minutes, at the end; async_save in a thread (its stager)."""
 
     _synchronize_after_execute = False  # as DCP's stager: stage() returns the copy complete
 
@@ -1622,8 +1582,7 @@ class Checkpointer(Operation, AsyncStager):
         if not future:
             self.finish()
 
-    def prepare(self) -> None:
-        """Once AdamW's state exists, a thread allocates and pins the staging buffers."""
+    def prepare(self) -> None:  # once AdamW's state exists, a thread allocates and pins the staging buffers
         cfg, optimizer = self.job.cfg, self.job.optimizer
         if self.preparing or self.buffers or not optimizer.state or not cfg.async_save or cfg.save_every < 0:
             return
@@ -1665,8 +1624,7 @@ class Checkpointer(Operation, AsyncStager):
             torch.cuda.synchronize()
         return staged
 
-    def finish(self) -> None:
-        """Waits for the write in flight; rank 0 then writes complete.json and removes what is not kept."""
+    def finish(self) -> None:  # waits for the write in flight; rank 0 then writes complete.json, removes the old
         if not self.pending:
             return
         (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
@@ -1691,10 +1649,6 @@ class Checkpointer(Operation, AsyncStager):
 
 
 # ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
-AUTO_RECOMPUTE_MARGIN = 0.1  # the GPU memory share auto leaves unplanned: fragmentation, peaks step 2 misses (NCCL's)
-AUTO_RECOMPUTE_WATCH_STEPS = 10  # steps in a row without an allocator retry that end RecomputeProbe.watch
-
-
 def recompute_is_measured(cfg, device: torch.device) -> bool:
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
@@ -1740,31 +1694,28 @@ class RecomputeProbe(Operation):
                 layer._gradient_checkpointing_func = checkpoint_func
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
             torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
-        elif self.kept is None:
-            self.decide()
+        elif self.kept is None:  # step 2: its peak is the baseline; the layers saving the most time per byte are kept
+            d, gib, n = job.d, 2**30, len(self.layers)
+            free, total = torch.cuda.mem_get_info()
+            limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
+            usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
+            costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
+            # 10% of the memory left unplanned: fragmentation, and the peaks step 2 misses (NCCL's)
+            room = all_reduced(usable - 0.1 * limit - peak, d, dist.ReduceOp.MIN, torch.float64)
+            sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
+            self.kept = layers_to_keep(sizes, seconds, room.item())
+            for i in self.kept:
+                self.layers[i].gradient_checkpointing = False
+            self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
+            each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
+            line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
+            line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
+            print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {limit / gib:.1f}")
         else:
             self.watching = not self.watch()
 
-    def decide(self) -> None:
-        d, gib, n = self.job.d, 2**30, len(self.layers)
-        free, total = torch.cuda.mem_get_info()
-        limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
-        usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
-        costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
-        room = all_reduced(usable - AUTO_RECOMPUTE_MARGIN * limit - peak, d, dist.ReduceOp.MIN, torch.float64)
-        sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
-        self.kept = layers_to_keep(sizes, seconds, room.item())
-        for i in self.kept:
-            self.layers[i].gradient_checkpointing = False
-        self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
-        each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
-        line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
-        line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
-        print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {limit / gib:.1f}")
-
     def watch(self) -> bool:
-        """After a step with allocator retries, the kept layer that saves the least per byte is recomputed."""
-        retries = alloc_retries()
+        retries = alloc_retries()  # after allocator retries, the kept layer saving the least per byte is recomputed
         new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX)
         self.retries, self.clean_steps = retries, self.clean_steps + 1
         if new.item() and self.kept:
@@ -1773,12 +1724,11 @@ class RecomputeProbe(Operation):
             line = f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations:"
             line += f" recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
             print0(self.job.d.rank, line)
-        return self.clean_steps >= AUTO_RECOMPUTE_WATCH_STEPS
+        return self.clean_steps >= 10  # ten steps in a row without an allocator retry end the watch
 
 
 def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> list[int]:
-    """The layers whose activations to keep, the most recompute time saved per byte first, while room lasts."""
-    kept = []
+    kept = []  # the layers whose activations to keep, the most recompute time saved per byte first, while room lasts
     for i in sorted(range(len(sizes)), key=lambda i: -seconds[i] / max(sizes[i], 1)):
         if sizes[i] <= room:
             kept.append(i)
@@ -1790,7 +1740,7 @@ def alloc_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0)  # CUDA's, since the start (each a stall)
 
 
-# ---- Metrics, MLflow and eval ------------------------------------------------------------------------------------
+# ---- Metrics, MLflow, eval, and hangs -----------------------------------------------------------------------------
 # Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
@@ -1854,8 +1804,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         if why != "diverged":
             self.flush(job)
 
-    def flush(self, job: Job) -> None:
-        """Logs the line of the steps since the last one, if any; checks the share of skipped records."""
+    def flush(self, job: Job) -> None:  # logs the steps since the last line, if any; checks the skipped records' share
         if not self.window["steps"]:
             return
         data = job.progress.stream_counts()
@@ -1903,8 +1852,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
-    def summary(self, job: Job) -> None:
-        """The run's last line: steps, final loss, the data seen on all ranks."""
+    def summary(self, job: Job) -> None:  # the run's last line: steps, final loss, the data seen on all ranks
         progress = job.progress
         counts = gathered(progress.stream_counts() + Counter(blocks=progress.blocks), self.d)
         data = {k: v for k, v in counts.items() if isinstance(k, str)}
@@ -1914,9 +1862,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         self.write({"step": progress.step, "data_seen": data})
 
 
-class Evaluator(Operation):
-    """The token-weighted loss on eval_blocks held-out blocks per rank, every eval_every steps and at the end."""
-
+class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per rank) every eval_every steps, at the end
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict, log: MetricsLog):
         self.cfg, self.d, self.filler, self.log = cfg, d, filler, log
         # A few blocks, read once, in process, from a buffer of only those blocks (not pack_buffer_blocks' worth).
@@ -1947,11 +1893,9 @@ class Evaluator(Operation):
         self.log.write({"step": step, "eval_loss": self.last_loss})
 
 
-# ---- Hangs: a short collective timeout once training runs, and the ranks that went silent -----------------------
 class HangWatch(Operation, contextlib.AbstractContextManager):
-    """From this start's first step on, a collective that waits collective_timeout_s fails, so the rank exits and
-    torchrun restarts the workers. Every rank beats in the process group's store; one kept waiting names the ranks
-    that went silent (stopped, frozen, gone) and prints where it waits, before the timeout ends it."""
+    """From this start's first step, a collective waiting collective_timeout_s fails: the rank exits, torchrun restarts
+    the workers. Ranks beat in the store; one kept waiting names the silent ones and prints where it waits."""
 
     def __init__(self, job: Job):
         self.job, self.done, self.last, self.said = job, threading.Event(), None, False  # last: this rank's last step
@@ -1963,8 +1907,7 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
             threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
 
     def at_end(self, job: Job, why: str) -> None:
-        """Also on leaving its with, however: the final save, eval and export, a notebook's next run wait long again."""
-        self.done.set()
+        self.done.set()  # on leaving its with too: the final save, eval, export, a notebook's next run wait long again
         if self.last is not None:
             dist.distributed_c10d._set_pg_timeout(STARTUP_TIMEOUT)
 
@@ -2009,8 +1952,7 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
-    """A fault under torchrun: the workers restart (--max-restarts) and resume, or on the last attempt the job ends."""
-    env = os.environ.get
+    env = os.environ.get  # under torchrun the workers restart (--max-restarts) and resume; the last attempt ends it
     attempt, restarts = int(env("TORCHELASTIC_RESTART_COUNT", "0")), int(env("TORCHELASTIC_MAX_RESTARTS", "0"))
     fault = f"rank {d.rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
     if attempt < restarts:
@@ -2019,12 +1961,9 @@ def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
     return f"{fault}\nthe last of {restarts + 1} attempts failed: the job stops; its newest checkpoint is {newest}"
 
 
-# ---- The run lock, SIGTERM, and the end of training --------------------------------------------------------------
+# ---- The run lock, SIGTERM, the end of training, and the Hugging Face export ---------------------------------------
+# output_dir/run.lock, held by rank 0, refreshed every 30 s: a second run refuses; a dead one's is taken over.
 class RunLock(contextlib.AbstractContextManager):
-    """output_dir/run.lock, held by rank 0, refreshed every 30 s: a second run refuses; a dead one's is taken over."""
-
-    REFRESH_S, STALE_S = 30, 120
-
     def __init__(self, out: Path, d: Dist):
         self.path, self.d, self.released = out / "run.lock", d, threading.Event()
         started = time.strftime("%Y-%m-%d %H:%M:%S")  # run: this run's id, whatever pid a restarted container gets
@@ -2041,7 +1980,7 @@ class RunLock(contextlib.AbstractContextManager):
             holder = None
         if holder:
             pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))  # own pid: a restart
-            if not pid_gone and age < self.STALE_S:
+            if not pid_gone and age < 120:  # refreshed in the last 2 minutes
                 who = f"host {host}, pid {pid}, started {holder.get('started')}, alive {age:.0f}s ago"
                 fix = f"use another output_dir, or remove {self.path} if that run is gone"
                 raise UserError(f"output_dir {self.path.parent} is in use by another run ({who}): {fix}")
@@ -2054,7 +1993,7 @@ class RunLock(contextlib.AbstractContextManager):
             raise UserError(f"output_dir {self.path.parent} was just taken")
 
     def refresh(self) -> None:
-        while not self.released.wait(self.REFRESH_S):
+        while not self.released.wait(30):
             with contextlib.suppress(OSError):  # a file system hiccup: the next refresh may do
                 os.utime(self.path)
 
@@ -2087,8 +2026,7 @@ def stop_requested(d: Dist) -> bool:
 
 
 @contextlib.contextmanager
-def stop_on_sigterm():
-    """While training, SIGTERM asks the loop to stop and save, instead of ending the process at once."""
+def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save, instead of ending the process at once
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -2129,7 +2067,6 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
         raise UserError(f"{bad}: stopping. {fix}")
 
 
-# ---- The Hugging Face export -------------------------------------------------------------------------------------
 # A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
 chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spiece.model tekken.json""".split()
