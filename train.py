@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections import Counter
+from collections import Counter, namedtuple
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -146,12 +146,7 @@ STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until tra
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
 
 
-@dataclasses.dataclass
-class Dist:
-    rank: int
-    world_size: int
-    device: torch.device
-    owns_group: bool  # the process group was created here, so it is destroyed here
+Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
 
 
 def setup_distributed(output_dir: str = "outputs") -> Dist:
@@ -182,8 +177,7 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
 
 
 def attempt_store(world_size: int):
-    """torchrun's store under this attempt's keys (it outlives a restart; env:// would hand a restarted rank the failed
-    attempt's addresses); None: rank 0 hosts a new one. Refused for restarts over several nodes: their keys differ."""
+    """torchrun's store (it outlives a restart) under this attempt's keys; None: rank 0 hosts a new one per attempt."""
     env = os.environ.get
     if env("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -201,17 +195,15 @@ def print0(rank: int, *args, file=None) -> None:
 
 # ---- Data: read this rank's shard, render and mask each conversation, pack whole conversations into blocks -------
 def data_sources(cfg: Config, part: str) -> list[dict]:
-    """The sources ({name, split, revision, weight}) of "train", or of "eval": eval_split's, or eval_fraction's."""
+    """The sources of "train" or "eval" (eval_split's or eval_fraction's), each labelled by what it reads."""
     one = {"name": cfg.dataset_name, "split": cfg.dataset_split, "revision": cfg.dataset_revision, "weight": 1}
-    train = [{"split": "train", "revision": "", "weight": 1, **source} for source in cfg.datasets] or [one]
-    if part == "train" or cfg.eval_fraction:
-        return train
-    held_out = {"name": cfg.eval_split, "split": ""} if Path(cfg.eval_split).suffix else {"split": cfg.eval_split}
-    return [{**one, **held_out}]
-
-
-def label(source: dict) -> str:
-    return source["name"] if Path(source["name"]).suffix else f"{source['name']} [{source['split']}]"
+    sources = [{"split": "train", "revision": "", "weight": 1, **source} for source in cfg.datasets] or [one]
+    if part == "eval" and not cfg.eval_fraction:
+        held_out = {"name": cfg.eval_split, "split": ""} if Path(cfg.eval_split).suffix else {"split": cfg.eval_split}
+        sources = [{**one, **held_out}]
+    for s in sources:  # a local file has no splits: any split name of it reads it all
+        s["label"] = str(Path(s["name"]).resolve()) if Path(s["name"]).suffix else f"{s['name']} [{s['split']}]"
+    return sources
 
 
 def source_records(source: dict):  # (index, record) of a pass over it; a JSON line stays bytes until it is taken
@@ -235,9 +227,7 @@ def decoded(record):  # a record, a JSON line's decoded; None for a line that is
 
 
 def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int, skips, epoch=0, report=False):
-    """(index, record, source) of shard index % num_shards from start on: the sources drawn by weight, seeded, one that
-    runs out read again until each has (an epoch). Every shard reads all, so any source splits; a seeded hash of a
-    record's place holds it out (eval_fraction). report: the first few unreadable lines, read by one shard."""
+    """(index, record, source) of shard index % num_shards from start on: sources drawn by weight (README, "Data")."""
     sources = data_sources(cfg, part)
     passes, ended, index = [source_records(source) for source in sources], set(), -1
     draw, weights = random.Random(f"{cfg.seed}/{epoch}"), [source["weight"] for source in sources]
@@ -253,7 +243,7 @@ def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int
         if index < start or index % num_shards != shard or (cfg.eval_fraction and held_out != (part == "eval")):
             continue
         if (record := decoded(record)) is None:
-            count(skips, s, "unreadable line")
+            skips.update({"unreadable line": 1, (s, "unreadable line"): 1})  # in all, and by source
             if report and s not in ended and skips["unreadable line"] <= 3:  # the first few, in a first pass
                 print(f"warning: {sources[s]['name']} line {i + 1} is not UTF-8 JSON: skipped", flush=True)
             continue
@@ -271,27 +261,22 @@ def record_form(record, cfg: Config) -> str:
     fits |= {"prompt_completion": {"prompt", "completion"} <= keys, "text": "text" in keys}
     form = cfg.data_format if cfg.data_format != "auto" else next((f for f, fit in fits.items() if fit), None)
     if form is None or not fits[form]:
-        columns = {"messages": f"{cfg.messages_column!r} or 'conversations'"}
-        columns |= {"prompt_completion": "'prompt' and 'completion'", "text": "'text'"}
-        raise Skip(f"no {columns[form]} column" if form else "no column of a known form")
+        raise Skip(f"no column of the form {form}" if form else "no column of a known form")
     return form
 
 
 def samples_of(record: dict, masker: AssistantMasker, cfg: Config) -> list[tuple[list[int], list[bool]]]:
-    """A record's samples by its form (README, "Data"). A conversation: its assistant turns carry the loss. Prompt and
-    completion: as message lists, the completion's assistant turns; as strings (no template, as TRL), the completion."""
+    """A record's samples by its form (README, "Data forms"): assistant turns (a completion's only), or plain text."""
     form, prompt, completion = record_form(record, cfg), record.get("prompt"), record.get("completion")
     if form == "text" or form == "prompt_completion" and isinstance(prompt, str) and isinstance(completion, str):
         return [masker.plain("", record["text"]) if form == "text" else masker.plain(prompt, completion)]
     if form == "prompt_completion" and not (isinstance(prompt, list) and isinstance(completion, list)):
         raise Skip("prompt and completion neither strings nor message lists")
     column = cfg.messages_column if cfg.messages_column in record else "conversations"
-    messages = prompt + completion if form == "prompt_completion" else record[column]
-    messages, tools = conversation_of(messages, record.get(cfg.tools_column), cfg)
-    check_conversation(messages)
-    trained_from = len(prompt) if form == "prompt_completion" else 0  # the prompt's turns carry no loss
+    messages, trained_from = (prompt + completion, len(prompt)) if form == "prompt_completion" else (record[column], 0)
+    messages, tools = conversation_of(messages, record.get(cfg.tools_column), cfg)  # a prompt's turns carry no loss
     if not any(m["role"] == "assistant" for m in messages[trained_from:]):
-        raise Skip("no assistant turn in the completion")
+        raise Skip("no assistant turn" + (" in the completion" if trained_from else ""))
     return masker.samples(messages, tools, trained_from)
 
 
@@ -300,12 +285,12 @@ EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside co
 
 
 def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
-    """As templates take them: ShareGPT's from/value as role/content, text parts joined, JSON-text arguments parsed."""
+    """As templates take them, or Skip: ShareGPT's from/value as role/content, text parts joined, JSON-text arguments
+    parsed, reasoning dropped (reasoning: drop); each message a known role's, with text or tool calls."""
+    if not isinstance(messages, list) or not messages:
+        raise Skip("messages not a non-empty list")
     try:
-        tools = json.loads(tools) if isinstance(tools, str) else tools
-        if not isinstance(messages, list):
-            return messages, tools  # check_conversation names it
-        joined = []
+        tools, joined = json.loads(tools) if isinstance(tools, str) else tools, []
         for m in messages:
             if isinstance(m, dict) and "from" in m and "value" in m and "role" not in m:  # ShareGPT's form
                 said, value = m["from"], m["value"]
@@ -313,19 +298,24 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
                 if said == "function_call":  # as the tool call it is
                     call = json.loads(value) if isinstance(value, str) else value
                     m = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
-            parts = m.get("content") if isinstance(m, dict) else None
-            if isinstance(parts, list):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise Skip("unknown role")
+            if isinstance(parts := m.get("content"), list):
                 texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in parts]
                 if not all(isinstance(text, str) for text in texts):
                     raise Skip("a content part that is not text")
                 m = {**m, "content": "".join(texts)}
-            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+            if isinstance(m.get("tool_calls"), list):
                 m = {**m, "tool_calls": [parsed_arguments(call) for call in m["tool_calls"]]}
                 m["content"] = "" if m.get("content") is None else m["content"]  # OpenAI's form: null
-            if cfg.reasoning == "drop" and isinstance(m, dict) and m.get("role") == "assistant":
+            if cfg.reasoning == "drop" and m["role"] == "assistant":
                 m = {k: v for k, v in m.items() if k != "reasoning_content"}
                 if isinstance(m.get("content"), str) and "</think>" in m["content"]:
                     m["content"] = m["content"].partition("</think>")[2].lstrip("\n")
+            if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
+                raise Skip("empty or non-string content")  # a tool-call turn may have no text
+            if not isinstance(m.get("reasoning_content") or "", str):
+                raise Skip("non-string reasoning_content")
             joined.append(m)
     except json.JSONDecodeError:
         raise Skip("tools or tool-call arguments not JSON") from None
@@ -344,20 +334,6 @@ def parsed_arguments(call):  # its arguments as a mapping, without None values (
     return {**call, "function": function} if "function" in call else function
 
 
-def check_conversation(messages) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise Skip("messages not a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise Skip("unknown role")
-        if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
-            raise Skip("empty or non-string content")  # a tool-call turn may have no text
-        if not isinstance(m.get("reasoning_content") or "", str):
-            raise Skip("non-string reasoning_content")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise Skip("no assistant turn")
-
-
 class AssistantMasker:
     """Tokenizes a conversation with its chat template and masks all but its assistant turns (README, "Loss mask"):
     rendered as is and with placeholders, the first must be the second with the texts put back, else it is skipped."""
@@ -367,8 +343,7 @@ class AssistantMasker:
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len)
 
     def samples(self, messages: list[dict], tools=None, trained_from: int = 0) -> list[tuple[list[int], list[bool]]]:
-        """[(ids, mask), ...]: the conversation, and each turn whose reasoning it leaves out (README, "Reasoning");
-        the turns before trained_from (a prompt's) carry no loss."""
+        """[(ids, mask), ...]: the conversation, and each turn whose reasoning it drops (README); a prompt untrained."""
         messages, prompt = [self.reasoning_apart(m) for m in messages], set(range(trained_from))
         ids, mask, dropped = self.render(messages, tools, skip=prompt)
         if not (dropped := dropped - prompt):
@@ -385,8 +360,7 @@ class AssistantMasker:
         return self.render([self.reasoning_apart(m) for m in messages], tools)[:2]  # the whole conversation, once
 
     def plain(self, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
-        """No template, as TRL: the prompt tokenized as for generation, then the completion tokenized on its own and
-        end-of-sequence, which carry the loss (a text record: an empty prompt, the text)."""
+        """No template, as TRL: the prompt as for generation; the completion (tokenized apart) and EOS take the loss."""
         if not isinstance(completion, str) or not completion.strip():
             raise Skip("empty or non-string text or completion")
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
@@ -478,31 +452,28 @@ class AssistantMasker:
 
 
 def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Counter):
-    """(index, samples) per trainable record; counts skips by reason, truncations, extra samples and tokens (count)."""
+    """(index, samples) per trainable record; counts skips by reason, truncations, extra samples (also by source)."""
     for index, record, source in records:
         try:
             result = samples_of(record, masker, cfg)
         except Skip as reason:
-            count(counts, source, str(reason))
+            counts.update({str(reason): 1, (source, str(reason)): 1})
             continue
         samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
         if any(len(ids) > cfg.max_seq_len for ids, _ in result):
-            count(counts, source, "truncated")
+            counts.update({"truncated": 1, (source, "truncated"): 1})
         # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
         samples = [(ids, mask) for ids, mask in samples if any(mask[1:])]
         if not samples:
-            count(counts, source, "no loss tokens after truncation")
+            reason = "no loss tokens after truncation"
+            counts.update({reason: 1, (source, reason): 1})
             continue
-        count(counts, source, "conversations")
+        counts.update({"conversations": 1, (source, "conversations"): 1})
         if len(samples) > 1:
-            count(counts, source, EXTRA_SAMPLES, len(samples) - 1)
+            counts.update({EXTRA_SAMPLES: len(samples) - 1, (source, EXTRA_SAMPLES): len(samples) - 1})
         counts[source, "tokens"] += sum(len(ids) for ids, _ in samples)
         counts[source, "loss tokens"] += sum(sum(mask[1:]) for _, mask in samples)
         yield index, samples
-
-
-def count(counts: Counter, source: int, key: str, n: int = 1) -> None:
-    counts.update({key: n, (source, key): n})  # in all, and by source
 
 
 def skip_reasons(counts: dict) -> dict:
@@ -513,7 +484,7 @@ def skip_reasons(counts: dict) -> dict:
 def by_source(counts: dict, cfg: Config) -> dict:  # {source: {what: count}} when there are several sources
     sources, out = data_sources(cfg, "train"), {}
     for key, n in sorted((k, v) for k, v in counts.items() if isinstance(k, tuple) and len(sources) > 1):
-        out.setdefault(label(sources[key[0]]), {})[key[1]] = n
+        out.setdefault(sources[key[0]]["label"], {})[key[1]] = n
     return out
 
 
@@ -582,8 +553,7 @@ class StreamPosition:  # where a block sits in its stream: a resume packs its bu
 
 
 class PackedBlocks(IterableDataset):
-    """This rank's blocks, `epochs` passes over its shard: worker slot s of rank r reads shard r * workers + s, packing
-    buffers of pack_buffer_blocks blocks' worth. resume: a Progress; worker w reads slot (w + next_slot) % workers."""
+    """This rank's blocks, `epochs` passes over its shard (slot s of rank r: r * workers + s); resume: a Progress."""
 
     def __init__(self, cfg: Config, tokenizer, part: str, rank, world_size, epochs, resume=None, report=True):
         self.cfg, self.tok, self.part, self.report = cfg, tokenizer, part, report  # report: read_records'
@@ -618,8 +588,7 @@ class PackedBlocks(IterableDataset):
                     first, n_buffer, skip, start_counts = index + 1, n_buffer + 1, 0, dict(counts)
             where = StreamPosition(slot, epoch, first, n_buffer, start_counts, dict(counts), carried=carried)
             yield from self._pack(buffer, pad_id, shard, where, skip, carry=False)  # an epoch ends with its buffer
-        # The stream's end: an item without a block that carries its final counts (a rank whose records were all
-        # skipped makes no block, yet its counts must reach the totals). Resumed from, it starts past the last epoch.
+        # The stream's end, a blockless item with its final counts (they reach the totals from a rank without blocks)
         yield {"position": StreamPosition(slot, self.epochs, 0, 0, dict(counts), dict(counts))}
 
     def _pack(self, buffer, pad_id: int, shard: int, where: StreamPosition, skip: int, carry: bool):
@@ -646,7 +615,7 @@ class PackedBlocks(IterableDataset):
             if len(found) == len(wanted):
                 break
         if lost := sorted(wanted - found.keys()):  # the data changed since the checkpoint was written
-            names = ", ".join(label(source) for source in data_sources(self.cfg, self.part))
+            names = ", ".join(source["label"] for source in data_sources(self.cfg, self.part))
             raise UserError(f"{names}: records {lost[:5]}, carried into the resumed buffer, no longer train")
         return [found[record][k] for record, k in carried]
 
@@ -708,8 +677,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     dtype, remote_code = getattr(torch, cfg.master_dtype), cfg.trust_remote_code
     with torch.device("meta"):
         model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
-    # Text-only SFT trains the decoder and the LM head. Anything else (a VLM's vision tower) would get no gradient,
-    # so AdamW would hold no state for it and a resume could not match the checkpoint: freeze it (still exported).
+    # Only the decoder and LM head train; a VLM's vision tower is frozen (exported): no gradient, no state to resume.
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
@@ -793,8 +761,7 @@ def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
 
 
 class HeadLoss(torch.autograd.Function):
-    """The LM head and cross-entropy, gradients computed in the forward: each chunk's logits are formed once, never
-    kept. The weight's gradient is summed before backward, so every token's loss must weigh the same (checked)."""
+    """LM head and cross-entropy, gradients computed in the forward (no logits kept): every token must weigh alike."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
@@ -1128,16 +1095,9 @@ def check_settings(cfg: Config) -> None:
         raise UserError("bad configuration: set eval_split or eval_fraction, not both")
     if cfg.datasets and cfg.eval_split and not Path(cfg.eval_split).suffix:
         raise UserError("bad configuration: with datasets, eval_split must be a local file; or set eval_fraction")
-    if cfg.eval_split and any(same_source(data_sources(cfg, "eval")[0], s) for s in data_sources(cfg, "train")):
+    if cfg.eval_split and data_sources(cfg, "eval")[0]["label"] in [s["label"] for s in data_sources(cfg, "train")]:
         fix = "give a held-out file or split, or set eval_fraction to hold out a share of the records"
         raise UserError(f"bad configuration: eval_split {cfg.eval_split!r} is the training data: {fix}")
-
-
-def same_source(a: dict, b: dict) -> bool:
-    """Whether two sources read the same records: a local file has no splits, any split name of it reads it all."""
-    if Path(a["name"]).suffix or Path(b["name"]).suffix:
-        return Path(a["name"]).resolve() == Path(b["name"]).resolve()
-    return (a["name"], a["split"]) == (b["name"], b["split"])
 
 
 def load_config(*sources: tuple[str, dict]) -> Config:
@@ -1252,6 +1212,26 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:
     return out
 
 
+def check_tracking_store() -> None:
+    """MetricsLog's MLflow store, tried before anything loads: one it cannot use would stop the run after the load."""
+    if not ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
+        return
+    import mlflow
+
+    try:  # the cheapest call that needs the store: the platform's run, or one experiment
+        client = mlflow.MlflowClient()
+        client.get_run(run_id) if run_id else client.search_experiments(max_results=1)
+    except (mlflow.exceptions.MlflowException, OSError, ImportError, ValueError) as e:  # ImportError: no db driver
+        cause = e  # the innermost: "[Errno 111] Connection refused", not the URL (and any password in it) thrice
+        while cause.__cause__ or cause.__context__:
+            cause = cause.__cause__ or cause.__context__
+        problem = str(cause).strip().partition("\n")[0][:160] or type(cause).__name__
+        uri = mlflow.get_tracking_uri()  # without the user:password@ it may hold
+        uri = f"{uri.partition('://')[0]}://{uri.rpartition('@')[2]}" if "@" in uri else uri
+        fix = "a file: store needs MLFLOW_ALLOW_FILE_STORE=true, a server the right URI, credentials and MLFLOW_RUN_ID"
+        raise UserError(f"MLflow tracking store {uri} cannot be used ({problem}): {fix}") from e
+
+
 def startup_checks(cfg: Config, d: Dist):
     """What can fail without the weights fails first: (attention, model config, tokenizer)."""
     attn = resolve_attention(cfg.attn_implementation, d.device)
@@ -1264,6 +1244,8 @@ def startup_checks(cfg: Config, d: Dist):
         raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
     if cfg.float8 and importlib.util.find_spec("torchao") is None:
         raise UserError("float8 needs torchao: pip install torchao==0.18.0")
+    if d.rank == 0:  # MetricsLog's store (rank 0 logs), before the tokenizer and the weights load
+        check_tracking_store()
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)
@@ -1313,7 +1295,7 @@ def fla_refuses_hopper_backward() -> bool:  # fla's first-backward guard: Hopper
 
 def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable, empty or of no known form stops the run
     for source in data_sources(cfg, part):
-        name, where = source["name"], label(source)
+        name, where = source["name"], source["label"]
         if Path(name).suffix and not Path(name).is_file():
             raise UserError(f"data file {name} does not exist")
         try:  # datasets: ValueError for a split or configuration it lacks, OSError for what it cannot reach
@@ -1332,9 +1314,8 @@ def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable,
                 reasons.append(str(reason))
         else:
             columns = sorted(next((record for record in first if isinstance(record, dict)), {}))
-            known = "messages (or ShareGPT's conversations), prompt and completion, or text"
-            fix = f"its columns are {columns}: give {known}, or set messages_column or data_format"
-            raise UserError(f"dataset {where} has {reasons[0]} in its first records; {fix}")
+            fix = "give messages or conversations, prompt and completion, or text; or set messages_column, data_format"
+            raise UserError(f"dataset {where} has {reasons[0]} in its first records (its columns: {columns}); {fix}")
 
 
 def from_hub(load, name: str):  # a hub load; a gated or private repo without a token: an error saying what to do
@@ -1385,16 +1366,13 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
     )
 
 
-COUNTING_PROGRESS_S = 60  # seconds between the counting pass's progress lines
-
-
-def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
+def count_blocks(cfg: Config, tokenizer, d: Dist, progress_every_s: float = 60) -> tuple[int, dict]:
     t0 = shown = time.monotonic()  # this rank's shard packed once, no model: the exact step count, bad data early
     seen, tokens, loss_tokens = Progress(), 0, 0
     loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
     for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
         tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
-        if time.monotonic() - shown > COUNTING_PROGRESS_S:  # a large dataset takes minutes: show that it moves
+        if time.monotonic() - shown > progress_every_s:  # a large dataset takes minutes: show that it moves
             shown, where = time.monotonic(), block["position"].record
             print0(d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {where:,} records in")
     totals = [None] * d.world_size
@@ -1409,7 +1387,7 @@ def count_blocks(cfg: Config, tokenizer, d: Dist) -> tuple[int, dict]:
     stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.monotonic() - t0:.0f}s)")
     if max(blocks_per_rank) == 0:
-        names = ", ".join(map(label, data_sources(cfg, "train")))
+        names = ", ".join(source["label"] for source in data_sources(cfg, "train"))
         raise UserError(f"no trainable conversation in {names}: {stats}")
     check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], lambda: skipped, cfg)
     return max(blocks_per_rank), stats
@@ -1517,8 +1495,7 @@ def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each ten
 
 
 class Checkpointer(Operation, AsyncStager):
-    """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once rank 0 writes complete.json
-    after all ranks have: each save_every steps, save_every_minutes, at the end; async_save in a thread (its stager)."""
+    """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once complete.json is written."""
 
     _synchronize_after_execute = False  # as DCP's stager: stage() returns the copy complete
 
@@ -1654,8 +1631,7 @@ def recompute_is_measured(cfg, device: torch.device) -> bool:
 
 
 class RecomputeProbe(Operation):
-    """activation_checkpointing auto (README, "Model"): step 1 measures each recomputed layer's saved memory and time,
-    step 2's peak is the baseline; then the layers saving the most time per byte are kept while memory lasts."""
+    """activation_checkpointing auto (README, "Model"): step 1 measures each layer, step 2 keeps what memory allows."""
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
@@ -1763,8 +1739,7 @@ def rss_gib() -> float:
 
 
 class MetricsLog(Operation, contextlib.AbstractContextManager):
-    """Rank 0's line per log_every steps, also in metrics.jsonl and (MLFLOW_RUN_ID or MLFLOW_TRACKING_URI) MLflow,
-    summed since the last over all ranks. As a context it ends the MLflow run FINISHED, KILLED or FAILED."""
+    """Rank 0's line per log_every steps over all ranks, to metrics.jsonl and MLflow too (as a context: its end)."""
 
     def __init__(self, cfg: Config, d: Dist, model, packing: dict | None = None):
         self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
@@ -1811,8 +1786,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         skipped = sum(skip_reasons(data).values())  # this rank's; the totals are over all ranks
         skips = all_reduced([skipped, skipped + data["conversations"]], self.d)
         dist.all_reduce(self.loss_sum)
-        # A rank that waits for data, or for CUDA's allocator to free its cache and retry, stalls them all.
-        retries = alloc_retries() if self.d.device.type == "cuda" else 0
+        retries = alloc_retries() if self.d.device.type == "cuda" else 0  # one rank's stall (data, allocator) is all's
         stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
@@ -1865,14 +1839,14 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
 class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per rank) every eval_every steps, at the end
     def __init__(self, cfg: Config, tokenizer, d: Dist, filler: dict, log: MetricsLog):
         self.cfg, self.d, self.filler, self.log = cfg, d, filler, log
-        # A few blocks, read once, in process, from a buffer of only those blocks (not pack_buffer_blocks' worth).
-        in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)
+        in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)  # a few blocks, once
         loader = block_loader(in_process, tokenizer, "eval", d.rank, d.world_size, epochs=1)
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         counts = global_counts(self.blocks, d)
         self.n_micro, self.loss_tokens = counts.max_blocks, counts.loss_tokens
         if self.loss_tokens == 0:
-            raise UserError(f"the eval data ({', '.join(map(label, data_sources(cfg, 'eval')))}) yields no loss tokens")
+            names = ", ".join(source["label"] for source in data_sources(cfg, "eval"))
+            raise UserError(f"the eval data ({names}) yields no loss tokens")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         step, every = job.progress.step, self.cfg.eval_every
@@ -1894,8 +1868,7 @@ class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per ra
 
 
 class HangWatch(Operation, contextlib.AbstractContextManager):
-    """From this start's first step, a collective waiting collective_timeout_s fails: the rank exits, torchrun restarts
-    the workers. Ranks beat in the store; one kept waiting names the silent ones and prints where it waits."""
+    """After the first step a collective waits collective_timeout_s; a waiting rank names the silent ones (beats)."""
 
     def __init__(self, job: Job):
         self.job, self.done, self.last, self.said = job, threading.Event(), None, False  # last: this rank's last step
@@ -1935,8 +1908,7 @@ class HangWatch(Operation, contextlib.AbstractContextManager):
 
 
 def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None) -> None:
-    """torchrun restarts on any exit: an attempt that stopped on a UserError leaves it in output_dir, and the next
-    raises it at once instead of loading again. The first attempt clears what an earlier job left."""
+    """torchrun restarts on any exit: a UserError left in output_dir stops the next attempt at once, before loading."""
     path, attempt = Path(cfg.output_dir) / "user_error.json", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     earlier, message = attempt, ""
     with contextlib.suppress(FileNotFoundError, ValueError):  # none, or written halfway: a restart loads again
@@ -2055,7 +2027,7 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
     if step == 0 and why == "stopped":
         raise Interrupted("stopped by SIGTERM before the first step")
     if step == 0:  # every rank agrees: e.g. max_steps given, and every conversation truncated to nothing
-        seen = dict(job.progress.stream_counts())
+        seen = {k: v for k, v in job.progress.stream_counts().items() if isinstance(k, str)}
         raise UserError(f"no step was trained: the data holds nothing to learn from (rank {d.rank}: {seen})")
     for operation in operations:
         operation.at_end(job, why)
@@ -2088,8 +2060,7 @@ def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
-    """output_dir/model: a Hugging Face checkpoint in the source's dtypes and files, consolidated by DCP from every
-    rank's shards; unmodelled tensors (mtp.*) and configs from the source, the tokenizer trained with."""
+    """output_dir/model: the Hugging Face checkpoint in the source's dtypes, files and configs; its tokenizer ours."""
     t0, out = time.perf_counter(), Path(cfg.output_dir) / "model"
     if d.rank == 0 and out.exists():
         shutil.rmtree(out)

@@ -7,6 +7,7 @@ import json
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_the_form_is_found_from_the_keys_unless_data_format_names_it(tokenizer):
     assert samples(pair, tokenizer) == samples({"prompt": "2+2=", "completion": "4"}, tokenizer)
     assert skip_reason(lambda: samples({"question": "?"}, tokenizer)) == "no column of a known form"
     wrong = lambda: samples({"messages": MESSAGES}, tokenizer, data_format="prompt_completion")  # noqa: E731
-    assert skip_reason(wrong) == "no 'prompt' and 'completion' column"
+    assert skip_reason(wrong) == "no column of the form prompt_completion"
 
 
 def test_inspect_data_shows_every_form_with_its_loss_spans(tiny_model_dir, tmp_path):
@@ -216,8 +217,8 @@ def test_datasets_from_yaml_and_the_command_line(tmp_path):
     job.write_text("datasets:\n  - {name: a.jsonl, weight: 3}\n  - name: org/chats\n    split: train\n")
     cfg, _ = train.parse_args(["--config", str(job)])
     assert train.data_sources(cfg, "train") == [
-        {"name": "a.jsonl", "split": "train", "revision": "", "weight": 3},
-        {"name": "org/chats", "split": "train", "revision": "", "weight": 1},
+        {"name": "a.jsonl", "split": "train", "revision": "", "weight": 3, "label": str(Path("a.jsonl").resolve())},
+        {"name": "org/chats", "split": "train", "revision": "", "weight": 1, "label": "org/chats [train]"},
     ]
     flags, _ = train.parse_args(["--datasets", "[{name: a.jsonl, weight: 3}, {name: org/chats, split: train}]"])
     assert flags == cfg

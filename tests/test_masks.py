@@ -139,8 +139,9 @@ def test_template_without_end_of_turn_token_is_skipped(tokenizer):
         ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "empty or non-string content"),
     ],
 )
-def test_malformed_conversations_are_named(messages, reason):
-    assert skip_reason(lambda: train.check_conversation(messages)) == reason
+def test_malformed_conversations_are_named(messages, reason, tokenizer):
+    masker = train.AssistantMasker(tokenizer)
+    assert skip_reason(lambda: train.samples_of({"messages": messages}, masker, train.Config())) == reason
 
 
 WEATHER_TOOL = {
@@ -197,7 +198,8 @@ def test_records_in_openai_form_and_content_parts_are_read_as_the_template_takes
     assert len(loss_runs(tok, ids, mask)) == 2
     image = {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]}
     assert skip_reason(lambda: train.conversation_of([image], None, cfg)) == "a content part that is not text"
-    assert skip_reason(lambda: train.conversation_of([], "{not json", cfg)) == "tools or tool-call arguments not JSON"
+    bad_tools = lambda: train.conversation_of(record["messages"], "{not json", cfg)  # noqa: E731
+    assert skip_reason(bad_tools) == "tools or tool-call arguments not JSON"
 
 
 def totals(counts) -> dict:

@@ -129,9 +129,8 @@ def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_
 
 
 def test_the_counting_pass_shows_progress(tokenizer, world_of_one, monkeypatch, capsys):
-    monkeypatch.setattr(train, "COUNTING_PROGRESS_S", -1)  # a line per block
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, num_workers=0, pack_buffer_blocks=2)
-    blocks, _ = train.count_blocks(cfg, tokenizer, world_of_one)
+    blocks, _ = train.count_blocks(cfg, tokenizer, world_of_one, progress_every_s=-1)  # a line per block
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("counting: ")]
     assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far on rank 0")
 

@@ -123,7 +123,7 @@ MUTANTS = [
            '                m = {"role": SHAREGPT_ROLES.get(said, said), "content": value}',
            '                m = {"role": said, "content": value}', FORMS + ["-k", "sharegpt"]),
     Mutant("data-completion-trains-the-prompt", "data",
-           '    trained_from = len(prompt) if form == "prompt_completion" else 0', "    trained_from = 0",
+           "(prompt + completion, len(prompt)) if", "(prompt + completion, 0) if",
            FORMS + ["-k", "conversational_prompt"]),
     Mutant("data-plain-trains-the-prompt", "data",
            "[False] * len(prompt_ids) + [True] * len(completion_ids)",
