@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -131,7 +132,7 @@ def test_structural_data_problems_say_what_to_fix(content, message, tmp_path):
     path = tmp_path / "data.jsonl"
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises((ValueError, FileNotFoundError), match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
         train.check_data(train.Config(dataset_name=str(path)), "train")
 
 
