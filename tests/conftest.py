@@ -100,3 +100,13 @@ def world_of_one(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     yield train.Dist(0, 1, torch.device("cpu"), owns_group=True)
     dist.destroy_process_group()
+
+
+def stream_blocks(cfg, tokenizer, progress, resume=None, n=None) -> list:
+    """The input_ids of rank 0 of 1's first n blocks (all if None) through block_loader, recorded in progress."""
+    import itertools
+
+    import train
+
+    loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
+    return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]

@@ -1,7 +1,6 @@
 """Sharded loading, the Hugging Face export, resume after a SIGKILL or SIGTERM, and restarts inside the job (a hung,
 killed or failing rank, slow saves), on 2 CPU ranks under torchrun."""
 
-import itertools
 import json
 import os
 import re
@@ -11,10 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, run_ok, torchrun, worker_env, write_tiny_job
+from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, run_ok, stream_blocks, torchrun, worker_env, write_tiny_job
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -191,9 +191,7 @@ def test_a_stream_stopped_after_an_odd_number_of_blocks_resumes_on_the_same_bloc
     start there (Progress.next_slot), and then the stream goes on with exactly the blocks an unbroken one yields."""
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=2)
 
-    def blocks(progress, resume=None, n=None):
-        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
-        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+    blocks = partial(stream_blocks, cfg, tokenizer)
 
     whole = blocks(train.Progress())
     stopped = train.Progress()
@@ -208,9 +206,7 @@ def test_a_stream_stopped_in_a_buffer_that_began_with_carried_samples_resumes_on
     block must read those samples again from their records, before the buffer's first, and pack the same blocks."""
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=0)
 
-    def blocks(progress, resume=None, n=None):
-        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
-        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+    blocks = partial(stream_blocks, cfg, tokenizer)
 
     whole = blocks(train.Progress())
     positions = [b["position"] for b in train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1) if "input_ids" in b]

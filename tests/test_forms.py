@@ -7,11 +7,12 @@ import json
 import re
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SAMPLE, TORCHRUN, run, worker_env, write_tiny_job
+from conftest import SAMPLE, TORCHRUN, run, stream_blocks, worker_env, write_tiny_job
 from test_masks import loss_runs, skip_reason
 
 import train
@@ -169,9 +170,7 @@ def test_a_mixed_stream_stopped_in_a_carried_buffer_resumes_on_the_same_blocks(t
     datasets = ({"name": str(tmp_path / "a.jsonl")}, {"name": str(tmp_path / "b.jsonl"), "weight": 2})
     cfg = train.Config(datasets=datasets, max_seq_len=1024, pack_buffer_blocks=2, num_workers=2)
 
-    def blocks(progress, resume=None, n=None):
-        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
-        return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+    blocks = partial(stream_blocks, cfg, tokenizer)
 
     whole = blocks(train.Progress())
     stopped = train.Progress()
