@@ -256,7 +256,7 @@ class Skip(Exception):
 
 def record_form(record, cfg: Config) -> str:
     """data_format, or with auto the first form the keys fit: messages (or conversations), prompt_completion, text."""
-    keys = record.keys() if isinstance(record, dict) else set()
+    keys = {k for k, v in record.items() if v is not None} if isinstance(record, dict) else set()  # Parquet's nulls
     fits = {"messages": bool({cfg.messages_column, "conversations"} & keys)}
     fits |= {"prompt_completion": {"prompt", "completion"} <= keys, "text": "text" in keys}
     form = cfg.data_format if cfg.data_format != "auto" else next((f for f, fit in fits.items() if fit), None)
@@ -292,7 +292,7 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
     try:
         tools, joined = json.loads(tools) if isinstance(tools, str) else tools, []
         for m in messages:
-            if isinstance(m, dict) and "from" in m and "value" in m and "role" not in m:  # ShareGPT's form
+            if isinstance(m, dict) and "from" in m and "value" in m and m.get("role") is None:  # ShareGPT's form
                 said, value = m["from"], m["value"]
                 m = {"role": SHAREGPT_ROLES.get(said, said), "content": value}
                 if said == "function_call":  # as the tool call it is

@@ -255,3 +255,15 @@ def test_the_skip_fraction_error_names_the_counts_over_all_ranks_without_a_count
     found = re.search(r"(\d+) of (\d+) records cannot be trained on .*: \{'no assistant turn': (\d+)\}", err)
     assert rc != 0 and found, (out + err)[-3000:]
     assert found[1] == found[3] and int(found[1]) > 0 and "on this rank" not in err
+
+
+def test_a_parquet_file_of_mixed_forms_reads_each_record_by_its_non_null_keys(tokenizer, tmp_path):
+    """Parquet gives every row every column, null where a form has none: the form comes from the keys with values."""
+    from datasets import Dataset
+
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    rows = [{"messages": chat, "text": None}, {"messages": None, "text": "Once upon a time."}]
+    Dataset.from_list(rows).to_parquet(tmp_path / "mixed.parquet")
+    cfg = train.Config(dataset_name=str(tmp_path / "mixed.parquet"), max_seq_len=256)
+    counts = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1))[-1]["position"].counts_at_end
+    assert counts["conversations"] == 2 and train.skip_reasons(counts) == {}
