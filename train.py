@@ -272,7 +272,7 @@ def samples_of(record: dict, masker: AssistantMasker, cfg: Config) -> list[tuple
         return [masker.plain("", record["text"]) if form == "text" else masker.plain(prompt, completion)]
     if form == "prompt_completion" and not (isinstance(prompt, list) and isinstance(completion, list)):
         raise Skip("prompt and completion neither strings nor message lists")
-    column = cfg.messages_column if cfg.messages_column in record else "conversations"
+    column = cfg.messages_column if record.get(cfg.messages_column) is not None else "conversations"  # Parquet's nulls
     messages, trained_from = (prompt + completion, len(prompt)) if form == "prompt_completion" else (record[column], 0)
     messages, tools = conversation_of(messages, record.get(cfg.tools_column), cfg)  # a prompt's turns carry no loss
     if not any(m["role"] == "assistant" for m in messages[trained_from:]):

@@ -262,8 +262,11 @@ def test_a_parquet_file_of_mixed_forms_reads_each_record_by_its_non_null_keys(to
     from datasets import Dataset
 
     chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
-    rows = [{"messages": chat, "text": None}, {"messages": None, "text": "Once upon a time."}]
+    sharegpt = [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]
+    rows = [{"messages": chat, "conversations": None, "text": None}]
+    rows += [{"messages": None, "conversations": sharegpt, "text": None}]
+    rows += [{"messages": None, "conversations": None, "text": "Once upon a time."}]
     Dataset.from_list(rows).to_parquet(tmp_path / "mixed.parquet")
     cfg = train.Config(dataset_name=str(tmp_path / "mixed.parquet"), max_seq_len=256)
     counts = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1))[-1]["position"].counts_at_end
-    assert counts["conversations"] == 2 and train.skip_reasons(counts) == {}
+    assert counts["conversations"] == 3 and train.skip_reasons(counts) == {}
