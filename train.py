@@ -238,9 +238,10 @@ def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int
             passes[s] = source_records(sources[s])
             continue
         index, (i, record) = index + 1, item
+        if index < start or index % num_shards != shard:
+            continue
         place = f"{cfg.seed}/{i}" if s == 0 else f"{cfg.seed}/{s}/{i}"  # held out in every pass, or in none
-        held_out = zlib.crc32(place.encode()) < cfg.eval_fraction * 2**32
-        if index < start or index % num_shards != shard or (cfg.eval_fraction and held_out != (part == "eval")):
+        if cfg.eval_fraction and (zlib.crc32(place.encode()) < cfg.eval_fraction * 2**32) != (part == "eval"):
             continue
         if (record := decoded(record)) is None:
             skips.update({"unreadable line": 1, (s, "unreadable line"): 1})  # in all, and by source
@@ -285,8 +286,7 @@ EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside co
 
 
 def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
-    """As templates take them, or Skip: ShareGPT's from/value as role/content, text parts joined, JSON-text arguments
-    parsed, reasoning dropped (reasoning: drop); each message a known role's, with text or tool calls."""
+    """As templates take them (ShareGPT's mapped, text parts joined, JSON arguments parsed), checked, or Skip."""
     if not isinstance(messages, list) or not messages:
         raise Skip("messages not a non-empty list")
     try:
@@ -364,8 +364,8 @@ class AssistantMasker:
         if not isinstance(completion, str) or not completion.strip():
             raise Skip("empty or non-string text or completion")
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-        prompt_ids, completion_ids = self.tok(prompt)["input_ids"], self.tok(completion, add_special_tokens=False)
-        completion_ids = completion_ids["input_ids"] + eos
+        prompt_ids = self.tok(prompt)["input_ids"]
+        completion_ids = self.tok(completion, add_special_tokens=False)["input_ids"] + eos
         return prompt_ids + completion_ids, [False] * len(prompt_ids) + [True] * len(completion_ids)
 
     def reasoning_apart(self, m: dict) -> dict:
