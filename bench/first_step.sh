@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
-# Launch to step 2's log line on a fresh machine, then on a restart that keeps only output_dir (issue 25, target 5):
-# the same command twice, the machine's default kernel caches removed before each, as a new container has none.
-# The caches under test go to output_dir (TRITON_CACHE_DIR=$W/out/caches/triton, as a run would keep them on its
-# volume). Run after `source bench/device_env.sh`, without its restored caches. Logs: $W (BENCH_LOGS: also there).
+# Launch to step 2's log line (issues 25 target 5, 26 target 5): for each block length, the same command three
+# times, with the machine's default kernel caches removed before each, as a new container has none: "fresh";
+# "restart", which finds the Triton cache the runs before it left where workload.yaml keeps it (TRITON_CACHE_DIR on
+# the volume; here $W/caches/triton); "restart_inductor", which also finds Inductor's (TORCHINDUCTOR_CACHE_DIR,
+# $W/caches/inductor, which workload.yaml leaves in /tmp). The first length's fresh run is a fresh machine; a later
+# length's finds the kernels compiled at the lengths before it, as a job resubmitted with a new max_seq_len would.
+# Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after `source bench/device_env.sh`, without its restored caches (remove
+# .bench-assets/caches.tar.xz.part* first). Logs: $W, and BENCH_LOGS if set (what a call cut short still returns).
 #
-#   bash bench/first_step.sh [SEQ_LEN] [STEPS] [LAYERS]
+#   bash bench/first_step.sh ["SEQ_LENS"] [STEPS] [LAYERS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SEQ=${1:-16384} STEPS=${2:-3} LAYERS=${3:-8}
+SEQS=${1:-16384} STEPS=${2:-3} LAYERS=${3:-8}
 A=${BENCH_ASSETS:-.bench-assets} W=${BENCH_WORK:-/tmp/first_step}
-unset TORCHINDUCTOR_CACHE_DIR
-export TRITON_CACHE_DIR=$W/out/caches/triton
+export TRITON_CACHE_DIR=$W/caches/triton TORCHINDUCTOR_CACHE_DIR=$W/caches/inductor
 rm -rf "$W" && mkdir -p "$W"
 [ -s "$A/tok/tokenizer.json" ] || xz -dc "$A/tokenizer.json.xz" > "$A/tok/tokenizer.json" || exit 1
 python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies 40 || exit 1
-for RUN in fresh restart; do
-  rm -rf ~/.triton "/tmp/torchinductor_$(whoami)"  # what a new container lacks; output_dir stays
-  T0=$(($(date +%s%N) / 1000000))
-  timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node=1 bench/bench.py ours \
-    --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" --data "$W/data.jsonl" \
-    --seq-len "$SEQ" --steps "$STEPS" --attn torch_varlen --out "$W/out" 2>&1 |
-    while IFS= read -r line; do echo "$(($(date +%s%N) / 1000000 - T0)) $line"; done > "$W/$RUN.log"
-  [ -n "${BENCH_LOGS:-}" ] && cp "$W/$RUN.log" "$BENCH_LOGS/"  # what a call cut short still brings back
-  for STEP in 1 2; do
-    grep -m1 " step $STEP/$STEPS " "$W/$RUN.log" | awk -v r="$RUN" -v s="$STEP" '{printf "%s: step %s logged %.1f s after launch\n", r, s, $1 / 1000}'
+for SEQ in $SEQS; do
+  for RUN in ${BENCH_RUNS:-fresh restart_inductor restart}; do
+    NAME=s${SEQ}_$RUN
+    rm -rf ~/.triton "/tmp/torchinductor_$(whoami)" "$W/out_$NAME"  # what a new container lacks
+    [ "$RUN" = restart ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+    T0=$(($(date +%s%N) / 1000000))
+    PRINT=0 && [ "$RUN" = fresh ] && PRINT=1
+    TRITON_PRINT_AUTOTUNING=$PRINT timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node=1 \
+      bench/bench.py ours --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" \
+      --data "$W/data.jsonl" --seq-len "$SEQ" --steps "$STEPS" --attn torch_varlen --out "$W/out_$NAME" 2>&1 |
+      while IFS= read -r line; do echo "$(($(date +%s%N) / 1000000 - T0)) $line"; done > "$W/$NAME.log"
+    [ -n "${BENCH_LOGS:-}" ] && cp "$W/$NAME.log" "$BENCH_LOGS/"
+    python3 bench/first_step_times.py "$W/$NAME.log" "$STEPS" | tee -a "$W/summary.txt"
+    [ -n "${BENCH_LOGS:-}" ] && cp "$W/summary.txt" "$BENCH_LOGS/"
   done
-  grep -m1 "model: " "$W/$RUN.log" | awk -v r="$RUN" '{printf "%s: model ready %.1f s after launch\n", r, $1 / 1000}'
 done
-du -sh "$W/out/caches/triton" 2>/dev/null
+du -sh "$W/caches/triton" "$W/caches/inductor" 2>/dev/null

@@ -134,6 +134,7 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         "GPU_ARCH": "90",
         "CUDA_HOME": str(fake_cuda_home(tmp_path)),
         "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
+        "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
         "TMPDIR": str(tmp_path),
         "LOCAL_WORLD_SIZE": "2",
         "MASTER_PORT": str(train.free_port()),
@@ -146,10 +147,24 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
+    assert (tmp_path / "triton-cache").is_dir()  # the command makes the kernel cache's folder before torchrun
     resolved = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
     w = yaml.safe_load(path.read_text())
     for key in set(w["parameters"]) - set(yaml.safe_load((tmp_path / "tiny.yaml").read_text())):
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
+
+
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_the_kernel_cache_is_on_the_volume_and_left_to_triton_where_there_is_none(path, tmp_path, monkeypatch):
+    from run_workload import command_env
+
+    w = yaml.safe_load(path.read_text())
+    volume = w["env_variables"]["TRITON_CACHE_DIR"]
+    assert volume.startswith("/Volumes/") and volume.split("/")[:5] == w["parameters"]["output_dir"].split("/")[:5]
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert "TRITON_CACHE_DIR" not in command_env(w, path, tmp_path / "p.yaml", False, True, [])  # no /Volumes here
+    w["env_variables"]["TRITON_CACHE_DIR"] = here = str(tmp_path / "triton-cache")
+    assert command_env(w, path, tmp_path / "p.yaml", False, True, [])["TRITON_CACHE_DIR"] == here
 
 
 @pytest.mark.distributed
