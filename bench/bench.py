@@ -117,6 +117,10 @@ def cmd_ours(args) -> None:
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
         overrides[key] = yaml.safe_load(value)
+    if args.mlp_tiles:
+        import long_levers
+
+        long_levers.with_mlp_tiles(args.mlp_tiles)
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 
@@ -358,10 +362,17 @@ def cmd_layers(args) -> None:
         print("bench layers:", json.dumps(row), flush=True)
 
     measure("eager", True)
-    measure("eager", False)
+    if not args.recomputed_only:  # a kept layer at 256k needs tens of GiB
+        measure("eager", False)
     train.compile_elementwise(layers)
     measure("compiled", True)
-    measure("compiled", False)
+    if not args.recomputed_only:
+        measure("compiled", False)
+    for tile_tokens in args.mlp_tiles:  # a recomputed layer's MLP in tiles (issue 26): what it saves, what it costs
+        import long_levers
+
+        long_levers.tile_mlps(layers, tile_tokens)
+        measure(f"compiled, MLP in tiles of {tile_tokens}", True)
     model.zero_grad(set_to_none=True)
 
     # The LM head's loss alone: hidden states of the whole block, loss positions of the real block.
@@ -579,13 +590,27 @@ def seed_numbers(run: Path, launch: float) -> dict:
     return out
 
 
+def trl_notes(run: Path) -> dict:
+    """What a TRL run's log says it kept apart and what not (bench/trl_peer.py's `bench: trl ...` lines)."""
+    log = (run / "log.txt").read_text(errors="replace") if (run / "log.txt").exists() else ""
+    out = {"trl_limitations": re.findall(r"^bench: trl limitation: (.*)$", log, re.MULTILINE)}
+    if m := re.search(r"^bench: trl block-diagonal: (.*)$", log, re.MULTILINE):
+        out["trl_block_diagonal"] = m.group(1)
+    if "OutOfMemoryError" in log or "CUDA out of memory" in log:
+        out["error"] = "CUDA out of memory"
+    return out
+
+
 def cmd_summary(args) -> None:
     work = Path(args.work)
     runs = []
     for line in (work / "runs.tsv").read_text().splitlines():
         kind, gpus, layers, seq, run, launch, rc, *variant = line.split("\t")  # older lines have no variant
         run, launch = Path(run), float(launch)
-        numbers = ours_numbers(run, launch) if kind == "ours" else seed_numbers(run, launch)
+        # TRL's runs (bench/trl_peer.py) write ours' metrics.jsonl schema; their log names what mixes, if anything
+        numbers = ours_numbers(run, launch) if kind in ("ours", "trl") else seed_numbers(run, launch)
+        if kind == "trl":
+            numbers |= trl_notes(run)
         if rc != "0" and "error" not in numbers:
             numbers["error"] = f"exit status {rc}"
         variant = variant[0] if variant else kind if kind == "seed" else "default"
@@ -623,26 +648,43 @@ def cmd_summary(args) -> None:
             f"{r.get('error', '')}"
         )
     ratios = []
-    for o in runs:
-        for s in runs:
-            same = all(o[k] == s[k] for k in ("gpus", "layers", "seq_len"))
-            if o["kind"] == "ours" and s["kind"] == "seed" and same and o.get("s_step") and s.get("s_step"):
-                ratios.append(
-                    {
-                        "variant": o["variant"],
-                        "gpus": o["gpus"],
-                        "layers": o["layers"],
-                        "seq_len": o["seq_len"],
-                        "tok_s_gpu_ratio": o["tok_s_gpu"] / s["tok_s_gpu"],
-                        "step_time_ratio_seed_over_ours": s["s_step"] / o["s_step"],
+    # a/b for the runs of one GPU count, geometry and block length: ours against the seed, TRL against the seed and
+    # against ours. TRL's padding-free rows are up to a block long, so its s/step is not comparable: tok/s/GPU is.
+    for a_kind, b_kind in (("ours", "seed"), ("trl", "seed"), ("trl", "ours")):
+        for a in runs:
+            for b in runs:
+                same = all(a[k] == b[k] for k in ("gpus", "layers", "seq_len"))
+                if a["kind"] == a_kind and b["kind"] == b_kind and same and a.get("s_step") and b.get("s_step"):
+                    ratio = {
+                        "pair": f"{a_kind}/{b_kind}",
+                        "variant": next((r["variant"] for r in (a, b) if r["kind"] == "ours"), None),  # ours
+                        "gpus": a["gpus"],
+                        "layers": a["layers"],
+                        "seq_len": a["seq_len"],
+                        "tok_s_gpu_ratio": a["tok_s_gpu"] / b["tok_s_gpu"],
+                        "step_time_ratio": b["s_step"] / a["s_step"],  # b's s/step over a's
+                        "peak_mem_gib": [a.get("peak_mem_gib"), b.get("peak_mem_gib")],
                     }
-                )
+                    if a_kind == "ours":  # the key older summaries have
+                        ratio["step_time_ratio_seed_over_ours"] = ratio["step_time_ratio"]
+                    ratios.append(ratio)
     for r in ratios:
-        print(
-            f"ratio ours ({r['variant']})/seed, {r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens: "
-            f"tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens; seed blocks have none), "
-            f"seed s/step / ours s/step x{r['step_time_ratio_seed_over_ours']:.2f}"
-        )
+        where = f"{r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens"
+        if r["pair"] == "ours/seed":
+            print(
+                f"ratio ours ({r['variant']})/seed, {where}: tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding "
+                f"tokens; seed blocks have none), seed s/step / ours s/step x{r['step_time_ratio']:.2f}"
+            )
+        else:
+            b = "seed" if r["pair"] == "trl/seed" else f"ours ({r['variant']})"
+            peaks = "/".join(format(p, ".1f") if p is not None else "-" for p in r["peak_mem_gib"])
+            print(
+                f"ratio trl/{b}, {where}: tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens), "
+                f"{b}/trl x{1 / r['tok_s_gpu_ratio']:.2f}; peak GiB trl/{b.split()[0]} {peaks}"
+            )
+    for r in runs:
+        for what in r.get("trl_limitations", []):
+            print(f"trl limitation, {r['gpus']} GPU(s), {r['layers']} layers, {r['seq_len']} tokens: {what}")
     for layers, f in flops.items():
         print(
             f"flops {layers} layers: 6N = {f['flops_per_token_6N'] / 1e9:.2f} GFLOP/token; Gated DeltaNet recurrence "
@@ -673,6 +715,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe setting (YAML scalar)")
     p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
+    p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")
@@ -682,6 +725,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--attn", default="torch_varlen")
     p.add_argument("--out", required=True)
+    p.add_argument("--mlp-tiles", type=int, nargs="*", default=[], help="also: recomputed, MLPs in tiles of N tokens")
+    p.add_argument("--recomputed-only", action="store_true", help="no kept-layer variants (long blocks)")
     p = sub.add_parser("summary")
     p.add_argument("work")
     p.add_argument("--out", default="")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The recipe against the seed recipe on this machine: same geometry, tokenizer, data, block length, GPU count and
-# attention backend (torch_varlen). Results and method: docs/BENCHMARKS.md.
+# attention backend (torch_varlen); with BENCH_KINDS="ours seed trl", TRL's SFTTrainer too (bench/trl_peer.py, TRL
+# installed: .device-deps/peers/trl-*.whl). Results and method: docs/BENCHMARKS.md.
 #
 #   bash bench/run_bench.sh NGPUS LAYERS "SEQ_LENS" STEPS
 #
@@ -14,7 +15,8 @@
 # BENCH_OURS_ARGS (extra `bench.py ours` arguments, e.g. "--set activation_checkpointing=0.5"), BENCH_VARIANT
 # (the name the summary gives those settings, default "default"),
 # BENCH_TIMEOUT (seconds per run, 300), BENCH_ATTN (torch_varlen), BENCH_SUMMARY (also write the summary JSON there),
-# BENCH_NO_SUMMARY (set: print no summary, for scripts that run several cases).
+# BENCH_NO_SUMMARY (set: print no summary, for scripts that run several cases), BENCH_TRL_ARGS (extra
+# `trl_peer.py run` arguments, e.g. "--attn sdpa") and BENCH_TRL_VARIANT (their name in the summary, default "trl").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NGPU=$1 LAYERS=$2 SEQS=$3 STEPS=$4
@@ -33,7 +35,7 @@ for SEQ in $SEQS; do
   SEED_RC=1
   for KIND in ${BENCH_KINDS:-ours seed}; do
     VARIANT=${BENCH_VARIANT:-default}
-    [ "$KIND" = seed ] && VARIANT=seed
+    case $KIND in seed) VARIANT=seed ;; trl) VARIANT=${BENCH_TRL_VARIANT:-trl} ;; esac
     RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}
     rm -rf "$RUN" && mkdir -p "$RUN"
     echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
@@ -42,6 +44,13 @@ for SEQ in $SEQS; do
       timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
         --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
         --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_OURS_ARGS:-} 2>&1 | tee "$RUN/log.txt"
+      RC=${PIPESTATUS[0]}
+    elif [ "$KIND" = trl ]; then
+      # One GPU: one process, as TRL is run there; several: torchrun, Trainer's DDP.
+      if [ "$NGPU" = 1 ]; then LAUNCHER=(python3); else LAUNCHER=(torchrun --standalone --nproc_per_node="$NGPU"); fi
+      timeout "${BENCH_TIMEOUT:-300}" "${LAUNCHER[@]}" bench/trl_peer.py run \
+        --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
+        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$RUN/log.txt"
       RC=${PIPESTATUS[0]}
     else
       BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
