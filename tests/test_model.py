@@ -241,3 +241,39 @@ def test_auto_recompute_recomputes_a_kept_layer_again_after_each_step_with_alloc
             break
     assert recomputed[:4] == [[], [0], [0], [0, 1]]  # retries in the 2nd and 4th steps watched
     assert probe.kept == [] and done and len(recomputed) == 14  # then 10 clean steps (nothing left to give back)
+
+
+def test_recomputed_mlps_in_tiles_give_the_same_losses_and_gradients(tiny_model_dir, world_of_one, monkeypatch):
+    """bench/long_levers.py's MLP tiles (a lever for long blocks, measured before it goes into train.py) through
+    build_model's FSDP2 and recomputation, in fp32: tiles of 8 tokens over a 37-token block (the last tile shorter)
+    against the same layers untiled, and tiled again at another size. A kept layer is not tiled."""
+    import long_levers  # bench/ (pytest's pythonpath)
+
+    cfg = train.Config(model_name=str(tiny_model_dir), param_dtype="float32", compile=False)
+    model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+    train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+    layers = model.get_decoder().layers
+    layers[1].gradient_checkpointing = False
+    block = train.make_block([(list(range(5, 42)), [i % 3 > 0 for i in range(37)])], 37, 0)
+    tiled, apply = [], long_levers.TiledMLP.apply
+    monkeypatch.setattr(long_levers.TiledMLP, "apply", lambda *a: tiled.append(a[1]) or apply(*a))
+
+    def losses_and_grads():
+        model.zero_grad(set_to_none=True)
+        losses = model.token_losses(block)
+        losses.sum().backward()
+        return losses.detach(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    untiled = losses_and_grads()
+    long_levers.tile_mlps(layers, 37)
+    assert losses_and_grads()[0].equal(untiled[0]) and tiled == []  # 37 tokens: not longer than the tile
+    for tile_tokens in (8, 16):
+        long_levers.tile_mlps(layers, tile_tokens)
+        losses, grads = losses_and_grads()
+        assert tiled[-2:] == [tile_tokens] * 2  # layer 0 in forward and in its recomputation; layer 1 is kept
+        torch.testing.assert_close(losses, untiled[0], rtol=1e-6, atol=0)
+        mlp = [n for n in grads if ".0.mlp." in n]
+        assert len(mlp) == 3 and all(grads[n].abs().sum() > 0 for n in mlp)
+        for name, grad in grads.items():
+            assert float((grad - untiled[1][name]).abs().max()) <= 1e-5 * float(untiled[1][name].abs().max()), name
+    assert len(tiled) == 4  # never tiled inside a tile
