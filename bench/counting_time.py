@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""The counting pass's cost per conversation (issue 25, target 5): this rank's shard of DATA packed into blocks as
+train.py's count_blocks packs it (block_loader, the real chat template and masker), without a model, for each
+num_workers given. On CPU; its figure times the conversations a rank holds is the pass's time before step 1.
+
+    python bench/counting_time.py DATA TOKENIZER_DIR [--seq-len 32768] [--workers 0 1 2]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data")
+    parser.add_argument("tokenizer")
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    records = sum(1 for line in open(args.data) if line.strip())
+    for workers in args.workers:
+        cfg = train.Config(
+            model_name="unused",
+            tokenizer_name=args.tokenizer,
+            dataset_name=args.data,
+            max_seq_len=args.seq_len,
+            num_workers=workers,
+            eval_fraction=0.0,
+        )
+        tokenizer = train.load_tokenizer(cfg)
+        t0 = time.perf_counter()
+        blocks = sum(1 for _ in train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False))
+        seconds = time.perf_counter() - t0
+        print(
+            f"num_workers {workers}: {records} conversations into {blocks} blocks of {args.seq_len} in {seconds:.1f} s, "
+            f"{1e3 * seconds / records:.2f} ms per conversation",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
