@@ -117,10 +117,13 @@ def cmd_ours(args) -> None:
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
         overrides[key] = yaml.safe_load(value)
-    if args.mlp_tiles:
+    if args.mlp_tiles or args.saved_on_host_mib:  # levers for long blocks (bench/long_levers.py)
         import long_levers
 
-        long_levers.with_mlp_tiles(args.mlp_tiles)
+        if args.mlp_tiles:
+            long_levers.with_mlp_tiles(args.mlp_tiles)
+        if args.saved_on_host_mib:
+            long_levers.with_saved_on_host(args.saved_on_host_mib * 2**20)
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 
@@ -716,6 +719,7 @@ def main() -> None:
     p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
+    p.add_argument("--saved-on-host-mib", type=int, default=0, help="saved tensors this large on the host (same)")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")

@@ -37,8 +37,8 @@ def main() -> None:
         blocks = sum(1 for _ in train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False))
         seconds = time.perf_counter() - t0
         print(
-            f"num_workers {workers}: {records} conversations into {blocks} blocks of {args.seq_len} in {seconds:.1f} s, "
-            f"{1e3 * seconds / records:.2f} ms per conversation",
+            f"num_workers {workers}: {records} conversations into {blocks} blocks of {args.seq_len} "
+            f"in {seconds:.1f} s, {1e3 * seconds / records:.2f} ms per conversation",
             flush=True,
         )
 

@@ -5,11 +5,17 @@ of Arctic Long Sequence Training). Its recomputation then holds one tile's MLP a
 at the price of one more MLP forward per recomputed layer (TiledMLP saves only the MLP's input; its backward runs
 each tile's forward again, then that tile's backward). Kept layers and blocks up to the tile run as before.
 
+Saved tensors on the host: what a step's forward saves outside the recomputed layers (their inputs, the final
+norm's, the fused head's gradients) and is at least min_bytes goes to pinned host buffers, copied out on a side
+stream that overlaps the forward and back on the compute stream when backward needs it (the copies back are not
+prefetched). The buffers are allocated once and reused every step, in the order the forward saves.
+
     bench.py ours ... --mlp-tiles 32768     the recipe's run with its recomputed layers' MLPs in tiles
     bench.py layers ... --mlp-tiles 32768   the per-layer memory and time, tiled against untiled
+    bench.py ours ... --saved-on-host-mib 256   the recipe's run with its large saved tensors on the host
 
-docs/LONG_BLOCKS.md has what was measured; tests/test_model.py checks that the tiles give the untiled losses and
-gradients through train.build_model (FSDP2, recomputation).
+docs/LONG_BLOCKS.md has what was measured; tests/test_model.py checks that each lever gives the losses and gradients
+without it through train.build_model (FSDP2, recomputation).
 """
 
 from __future__ import annotations
@@ -68,3 +74,55 @@ def with_mlp_tiles(tile_tokens: int) -> None:
         return model
 
     train.build_model = build_tiled
+
+
+class SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of at least min_bytes in host buffers (pinned for a GPU's), the i-th saved of a forward in the
+    i-th buffer. A forward starts at buffer 0 when it enters; a step's backward ends before the next forward."""
+
+    def __init__(self, min_bytes: int):
+        self.min_bytes, self.buffers, self.used, self.stream = min_bytes, [], 0, None
+        super().__init__(self.pack, self.unpack)
+
+    def __enter__(self):
+        self.used = 0
+        return super().__enter__()
+
+    def pack(self, tensor):
+        if tensor.numel() * tensor.element_size() < self.min_bytes:
+            return tensor
+        cuda = tensor.device.type == "cuda"
+        if self.used == len(self.buffers) or self.buffers[self.used].shape != tensor.shape:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+            self.buffers[self.used : self.used + 1] = [host]
+        host, self.used = self.buffers[self.used], self.used + 1
+        if not cuda:
+            return host.copy_(tensor), tensor.device
+        self.stream = self.stream or torch.cuda.Stream(tensor.device)
+        self.stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written; an earlier
+        with torch.cuda.stream(self.stream):  # copy back out of this buffer has been read
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.stream)  # its memory is free once the copy has ended
+        return host, tensor.device
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        host, device = packed
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_stream(self.stream)
+        return host.to(device, non_blocking=True)
+
+
+def with_saved_on_host(min_bytes: int) -> None:
+    """From now on, train.build_model's models run token_losses (the decoder, the head and the loss) with their
+    large saved tensors on the host (bench.py ours)."""
+    import train
+
+    token_losses, hooks = train.token_losses, SavedOnHost(min_bytes)
+
+    def token_losses_saved_on_host(*args, **kwargs):
+        with hooks:
+            return token_losses(*args, **kwargs)
+
+    train.token_losses = token_losses_saved_on_host
