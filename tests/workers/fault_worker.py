@@ -11,13 +11,15 @@ preempted node would die, with whatever checkpoint write was in flight;
 sigterm-launcher-at-N: rank 0 sends SIGTERM to torchrun in step N, as a scheduler stopping the job would;
 kill-launcher-at-N: rank 0 SIGKILLs torchrun alone in step N; the steps after it take 0.5 s each;
 stop-rankR-once-at-N, kill-rankR-once-at-N: rank R SIGSTOPs (hangs) or SIGKILLs itself in step N of the first
-attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would; kill-rankR-at-N: in every attempt;
+attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would (the stopped one is SIGKILLed
+once torchrun's SIGTERM is pending); kill-rankR-at-N: in every attempt;
 slow-waits: rank 1's first step and checkpoint writes, and rank 0's end of the export, each take 1.5
 collective_timeout_s longer (a first step's compile, a slow volume).
 """
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,8 @@ def inject(step, model, loss_sum, blocks):
         time.sleep(0.5)
     if fault in (f"stop-rank{rank}-once-at-{step}", f"kill-rank{rank}-once-at-{step}") and not once.exists():
         once.write_text(fault)
+        if fault.startswith("stop"):  # torchrun's restart then waits a fixed 30 s before its SIGKILL: sooner here
+            subprocess.Popen([sys.executable, "-c", KILL_ONCE_TERMINATED, str(os.getpid())], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
     if fault == f"kill-rank{rank}-at-{step}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -54,6 +58,20 @@ def inject(step, model, loss_sum, blocks):
         next(model.parameters()).grad.fill_(float("nan"))
         loss_sum = loss_sum * float("nan")
     return loss_sum
+
+
+# A stopped process keeps torchrun's SIGTERM pending (/proc/PID/status); this SIGKILLs it as soon as one is.
+KILL_ONCE_TERMINATED = """
+import os, signal, sys, time
+pid, term = int(sys.argv[1]), 1 << (signal.SIGTERM - 1)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM is for the worker
+try:
+    while not any(int(line.split()[1], 16) & term for line in open(f"/proc/{pid}/status") if "Pnd:" in line):
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+except (FileNotFoundError, ProcessLookupError):
+    pass  # gone already
+"""
 
 
 def slowly(function, seconds: float):
