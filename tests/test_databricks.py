@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import air_schema
@@ -134,37 +136,52 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         "GPU_ARCH": "90",
         "CUDA_HOME": str(fake_cuda_home(tmp_path)),
         "WHEEL_CACHE": str(tmp_path / "wheel-cache"),
-        "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
+        "KERNEL_CACHE": str(tmp_path / "kernel-cache"),
+        "KERNEL_CACHE_SAVE_S": "1",
         "TMPDIR": str(tmp_path),
         "LOCAL_WORLD_SIZE": "2",
         "MASTER_PORT": str(train.free_port()),
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
+    (tmp_path / "kernel-cache").mkdir()  # the archive a run before left on the volume: one file of Triton's cache
+    (tmp_path / "from-before").write_text("a compiled kernel")
+    with tarfile.open(tmp_path / "kernel-cache/triton.tar", "w") as archive:
+        archive.add(tmp_path / "from-before", arcname="./kernel/from-before")
+    (tmp_path / "triton-cache").mkdir()  # Triton's cache on this node (TMPDIR's): a kernel compiled in this run
+    (tmp_path / "triton-cache/compiled-now").write_text("another kernel")
     command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
     command += ["--", "--config", str(tiny_override(tmp_path, tiny_model_dir))]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
-    assert (tmp_path / "triton-cache").is_dir()  # the command makes the kernel cache's folder before torchrun
+    if "KERNEL_CACHE" in yaml.safe_load(path.read_text())["env_variables"]:  # restored, then archived again
+        assert (tmp_path / "triton-cache/kernel/from-before").exists()
+        time.sleep(2.5)  # node 0's archiver ends a second after torchrun, with a last look
+        with tarfile.open(tmp_path / "kernel-cache/triton.tar") as archive:
+            assert {"./kernel/from-before", "./compiled-now"} <= set(archive.getnames())
+        assert not list((tmp_path / "kernel-cache").glob("triton.tar.*"))  # written aside, then renamed
     resolved = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
     w = yaml.safe_load(path.read_text())
     for key in set(w["parameters"]) - set(yaml.safe_load((tmp_path / "tiny.yaml").read_text())):
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
 
 
-@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_the_kernel_cache_is_on_the_volume_and_left_to_triton_where_there_is_none(path, tmp_path, monkeypatch):
+def test_the_kernel_cache_is_on_the_volume_and_left_to_triton_where_there_is_none(tmp_path, monkeypatch):
     from run_workload import command_env
 
+    path = ROOT / "workload.yaml"
     w = yaml.safe_load(path.read_text())
-    volume = w["env_variables"]["TRITON_CACHE_DIR"]
+    volume = w["env_variables"]["KERNEL_CACHE"]
     assert volume.startswith("/Volumes/") and volume.split("/")[:5] == w["parameters"]["output_dir"].split("/")[:5]
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert "TRITON_CACHE_DIR" not in command_env(w, path, tmp_path / "p.yaml", False, True, [])  # no /Volumes here
-    w["env_variables"]["TRITON_CACHE_DIR"] = here = str(tmp_path / "triton-cache")
-    assert command_env(w, path, tmp_path / "p.yaml", False, True, [])["TRITON_CACHE_DIR"] == here
+    monkeypatch.delenv("KERNEL_CACHE", raising=False)
+    if not Path(volume).parent.exists():  # no such volume here
+        assert "KERNEL_CACHE" not in command_env(w, path, tmp_path / "p.yaml", False, True, [])
+    w["env_variables"]["KERNEL_CACHE"] = here = str(tmp_path / "kernel-cache")
+    assert command_env(w, path, tmp_path / "p.yaml", False, True, [])["KERNEL_CACHE"] == here
+    monkeypatch.setenv("KERNEL_CACHE", "/Volumes/yours/kernels")  # yours wins, mounted or not
+    assert command_env(w, path, tmp_path / "p.yaml", False, True, [])["KERNEL_CACHE"] == "/Volumes/yours/kernels"
 
 
 @pytest.mark.distributed

@@ -65,9 +65,9 @@ def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool,
             f"{path} caches the kernels it builds in WHEEL_CACHE={cache}, which is not on this machine: set "
             "WHEEL_CACHE to a folder of yours (WHEEL_CACHE=~/.cache/sft-wheels)"
         )
-    kernels = env.get("TRITON_CACHE_DIR")  # the YAML's is a volume path: here, Triton's own cache (~/.triton) serves
-    if kernels and "TRITON_CACHE_DIR" not in os.environ and not Path(kernels).parent.exists():
-        del env["TRITON_CACHE_DIR"]
+    kernels = env.get("KERNEL_CACHE")  # the YAML's is a volume path: here, Triton's own cache (~/.triton) serves
+    if kernels and "KERNEL_CACHE" not in os.environ and not Path(kernels).parent.exists():
+        del env["KERNEL_CACHE"]
     for name in workload.get("secrets") or {}:
         if name not in env:
             print(f"run_workload: the workload reads the secret {name}; it is not set here", file=sys.stderr)
