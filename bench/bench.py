@@ -117,6 +117,9 @@ def cmd_ours(args) -> None:
     for setting in args.set:  # the recipe's own settings, as the command line would give them
         key, _, value = setting.partition("=")
         overrides[key] = yaml.safe_load(value)
+    if args.mlp_tiles and str(overrides.get("activation_checkpointing", "auto")) == "auto":
+        # auto's probe would measure the layers' recomputation tiled, then keep layers that run untiled
+        sys.exit("bench: --mlp-tiles needs --set activation_checkpointing=SHARE (auto would measure tiled layers)")
     if args.mlp_tiles or args.saved_on_host_mib:  # levers for long blocks (bench/long_levers.py)
         import long_levers
 
@@ -364,12 +367,12 @@ def cmd_layers(args) -> None:
         rows.append(row)
         print("bench layers:", json.dumps(row), flush=True)
 
-    measure("eager", True)
-    if not args.recomputed_only:  # a kept layer at 256k needs tens of GiB
+    if not args.long:  # at long blocks, eager fp32 norms and kept layers need tens of GiB
+        measure("eager", True)
         measure("eager", False)
     train.compile_elementwise(layers)
     measure("compiled", True)
-    if not args.recomputed_only:
+    if not args.long:
         measure("compiled", False)
     for tile_tokens in args.mlp_tiles:  # a recomputed layer's MLP in tiles (issue 26): what it saves, what it costs
         import long_levers
@@ -730,7 +733,7 @@ def main() -> None:
     p.add_argument("--attn", default="torch_varlen")
     p.add_argument("--out", required=True)
     p.add_argument("--mlp-tiles", type=int, nargs="*", default=[], help="also: recomputed, MLPs in tiles of N tokens")
-    p.add_argument("--recomputed-only", action="store_true", help="no kept-layer variants (long blocks)")
+    p.add_argument("--long", action="store_true", help="only compiled, recomputed variants (long blocks)")
     p = sub.add_parser("summary")
     p.add_argument("work")
     p.add_argument("--out", default="")

@@ -34,7 +34,8 @@ def main() -> None:
         )
         tokenizer = train.load_tokenizer(cfg)
         t0 = time.perf_counter()
-        blocks = sum(1 for _ in train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False))
+        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False)
+        blocks = sum("input_ids" in item for item in loader)  # not each stream's end, which carries no block
         seconds = time.perf_counter() - t0
         print(
             f"num_workers {workers}: {records} conversations into {blocks} blocks of {args.seq_len} "

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Launch to step 2's log line (issues 25 target 5, 26 target 5): for each block length, the same command three
-# times, with the machine's default kernel caches removed before each, as a new container has none: "fresh";
-# "restart", which finds the Triton cache the runs before it left where workload.yaml keeps it (TRITON_CACHE_DIR on
-# the volume; here $W/caches/triton); "restart_inductor", which also finds Inductor's (TORCHINDUCTOR_CACHE_DIR,
-# $W/caches/inductor, which workload.yaml leaves in /tmp). The first length's fresh run is a fresh machine; a later
-# length's finds the kernels compiled at the lengths before it, as a job resubmitted with a new max_seq_len would.
-# Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after `source bench/device_env.sh`, without its restored caches (remove
-# .bench-assets/caches.tar.xz.part* first). Logs: $W, and BENCH_LOGS if set (what a call cut short still returns).
+# Launch to step 2's log line (issues 25 target 5, 26 target 5): for each block length, the same command three times,
+# the kernel caches in $W/caches (TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point there):
+#   fresh             the first length's with no cache, as a new container (a later length's finds the kernels
+#                     compiled at the lengths before it, as a job resubmitted with a new max_seq_len would);
+#   restart_inductor  with Triton's and Inductor's caches from the runs before;
+#   restart           with Triton's only: what workload.yaml keeps (its archive in KERNEL_CACHE, restored to local disk).
+# Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after
+# `source bench/device_env.sh` without its restored caches (remove .bench-assets/caches.tar.xz.part* first).
+# Logs: $W, and BENCH_LOGS if set (what a call cut short still returns).
 #
 #   bash bench/first_step.sh ["SEQ_LENS"] [STEPS] [LAYERS]
 set -uo pipefail
@@ -20,16 +21,18 @@ python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies 40
 for SEQ in $SEQS; do
   for RUN in ${BENCH_RUNS:-fresh restart_inductor restart}; do
     NAME=s${SEQ}_$RUN
-    rm -rf ~/.triton "/tmp/torchinductor_$(whoami)" "$W/out_$NAME"  # what a new container lacks
-    [ "$RUN" = restart ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+    rm -rf "$W/out_$NAME"
+    [ "$RUN" = fresh ] && [ "$SEQ" = "${SEQS%% *}" ] && rm -rf "$W/caches"  # the first length's: a new container
+    [ "$RUN" = restart ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"  # what the workload keeps: Triton's cache only
     T0=$(($(date +%s%N) / 1000000))
     PRINT=0 && [ "$RUN" = fresh ] && PRINT=1
     TRITON_PRINT_AUTOTUNING=$PRINT timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node=1 \
       bench/bench.py ours --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" \
       --data "$W/data.jsonl" --seq-len "$SEQ" --steps "$STEPS" --attn torch_varlen --out "$W/out_$NAME" 2>&1 |
       while IFS= read -r line; do echo "$(($(date +%s%N) / 1000000 - T0)) $line"; done > "$W/$NAME.log"
+    RC=${PIPESTATUS[0]}
     [ -n "${BENCH_LOGS:-}" ] && cp "$W/$NAME.log" "$BENCH_LOGS/"
-    python3 bench/first_step_times.py "$W/$NAME.log" "$STEPS" | tee -a "$W/summary.txt"
+    echo "$(python3 bench/first_step_times.py "$W/$NAME.log" "$STEPS") | exit status $RC" | tee -a "$W/summary.txt"
     [ -n "${BENCH_LOGS:-}" ] && cp "$W/summary.txt" "$BENCH_LOGS/"
   done
 done

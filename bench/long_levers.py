@@ -5,20 +5,22 @@ of Arctic Long Sequence Training). Its recomputation then holds one tile's MLP a
 at the price of one more MLP forward per recomputed layer (TiledMLP saves only the MLP's input; its backward runs
 each tile's forward again, then that tile's backward). Kept layers and blocks up to the tile run as before.
 
-Saved tensors on the host: what a step's forward saves outside the recomputed layers (their inputs, the final
-norm's, the fused head's gradients) and is at least min_bytes goes to pinned host buffers, copied out on a side
-stream that overlaps the forward and back on the compute stream when backward needs it (the copies back are not
-prefetched). The buffers are allocated once and reused every step, in the order the forward saves.
+Saved inputs on the host: what each recomputed layer's checkpoint saves for its recomputation (the layer's input;
+tensors of at least min_bytes) goes to pinned host buffers, copied out on a side stream that overlaps the forward,
+and back on the compute stream when backward recomputes the layer (not prefetched). Each layer's buffers are its
+own, allocated once and reused every step.
 
     bench.py ours ... --mlp-tiles 32768     the recipe's run with its recomputed layers' MLPs in tiles
     bench.py layers ... --mlp-tiles 32768   the per-layer memory and time, tiled against untiled
-    bench.py ours ... --saved-on-host-mib 256   the recipe's run with its large saved tensors on the host
+    bench.py ours ... --saved-on-host-mib 256   the recipe's run with its recomputed layers' inputs on the host
 
 docs/LONG_BLOCKS.md has what was measured; tests/test_model.py checks that each lever gives the losses and gradients
 without it through train.build_model (FSDP2, recomputation).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -76,53 +78,69 @@ def with_mlp_tiles(tile_tokens: int) -> None:
     train.build_model = build_tiled
 
 
-class SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of at least min_bytes in host buffers (pinned for a GPU's), the i-th saved of a forward in the
-    i-th buffer. A forward starts at buffer 0 when it enters; a step's backward ends before the next forward."""
+class SavedOnHost:
+    """The inputs that each recomputed layer's checkpoint saves (at least min_bytes each) in host buffers, pinned for
+    a GPU's: the layer's buffers are its own, reused every step, reallocated if a shape or dtype changes. The copy
+    out runs on a side stream and ends with an event the copy back waits for; backward's copies back are not
+    prefetched. Kept layers, the final norm and the head keep theirs on the GPU: they are needed first in backward."""
 
-    def __init__(self, min_bytes: int):
-        self.min_bytes, self.buffers, self.used, self.stream = min_bytes, [], 0, None
-        super().__init__(self.pack, self.unpack)
+    def __init__(self, layers, min_bytes: int):
+        self.min_bytes, self.buffers, self.stream = min_bytes, {}, None
+        for i, layer in enumerate(layers):
+            checkpoint = layer._gradient_checkpointing_func  # transformers' (RecomputeProbe's wraps this one)
 
-    def __enter__(self):
-        self.used = 0
-        return super().__enter__()
+            def offloaded(*args, i=i, checkpoint=checkpoint, **kwargs):
+                seen = {}  # a tensor saved twice in one call is copied once
+                hooks = (partial(self.pack, i, seen), self.unpack)
+                with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                    return checkpoint(*args, **kwargs)
 
-    def pack(self, tensor):
+            layer._gradient_checkpointing_func = offloaded
+
+    def pack(self, layer: int, seen: dict, tensor):
         if tensor.numel() * tensor.element_size() < self.min_bytes:
             return tensor
-        cuda = tensor.device.type == "cuda"
-        if self.used == len(self.buffers) or self.buffers[self.used].shape != tensor.shape:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
-            self.buffers[self.used : self.used + 1] = [host]
-        host, self.used = self.buffers[self.used], self.used + 1
-        if not cuda:
-            return host.copy_(tensor), tensor.device
-        self.stream = self.stream or torch.cuda.Stream(tensor.device)
-        self.stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written; an earlier
-        with torch.cuda.stream(self.stream):  # copy back out of this buffer has been read
-            host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self.stream)  # its memory is free once the copy has ended
-        return host, tensor.device
+        key = (tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype)
+        if key in seen:
+            return seen[key]
+        slot, cuda = (layer, len(seen)), tensor.device.type == "cuda"
+        host = self.buffers.get(slot)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = self.buffers[slot] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+        done = None
+        if cuda:
+            self.stream = self.stream or torch.cuda.Stream(tensor.device)
+            self.stream.wait_stream(torch.cuda.current_stream(tensor.device))  # written; last step's copy back read
+            with torch.cuda.stream(self.stream):
+                host.copy_(tensor, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            tensor.record_stream(self.stream)  # its memory is free once the copy has ended
+        else:
+            host.copy_(tensor)
+        seen[key] = packed = (host, tensor.device, done)
+        return packed
 
-    def unpack(self, packed):
+    @staticmethod
+    def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        host, device = packed
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).wait_stream(self.stream)
-        return host.to(device, non_blocking=True)
+        host, device, done = packed
+        if done is not None:
+            torch.cuda.current_stream(device).wait_event(done)
+            return host.to(device, non_blocking=True)
+        return host.clone()  # a tensor of its own, as the GPU's copy back is (backward may change it in place)
 
 
 def with_saved_on_host(min_bytes: int) -> None:
-    """From now on, train.build_model's models run token_losses (the decoder, the head and the loss) with their
-    large saved tensors on the host (bench.py ours)."""
+    """From now on, train.build_model's models keep their recomputed layers' large saved inputs on the host."""
     import train
 
-    token_losses, hooks = train.token_losses, SavedOnHost(min_bytes)
+    build_model = train.build_model
 
-    def token_losses_saved_on_host(*args, **kwargs):
-        with hooks:
-            return token_losses(*args, **kwargs)
+    def build_saving_on_host(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        SavedOnHost(model.get_decoder().layers, min_bytes)
+        return model
 
-    train.token_losses = token_losses_saved_on_host
+    train.build_model = build_saving_on_host

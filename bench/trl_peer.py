@@ -86,7 +86,8 @@ def resolve_attention(name: str, device: torch.device) -> str:
 
 def build_model(config, attn: str, dtype, device, seed: int = 0):
     """The geometry's random weights on the device, as bench.py's seed does: from_config under torch.device. The
-    image-text class for an image-text config (the real checkpoint's, which TRL's own loading picks)."""
+    image-text class for an image-text config (the real checkpoint's, which TRL's own loading picks), its vision
+    tower frozen as ours freezes it (no optimizer state for it; DDP would wait for its gradients otherwise)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config.use_cache = config.get_text_config().use_cache = False  # TRL passes use_cache=False too
@@ -94,7 +95,11 @@ def build_model(config, attn: str, dtype, device, seed: int = 0):
     model_class = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):
-        return model_class.from_config(config, attn_implementation=attn, dtype=dtype)
+        model = model_class.from_config(config, attn_implementation=attn, dtype=dtype)
+    trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trained)
+    return model
 
 
 def packed_signals(model, batch: dict) -> tuple[list[str], list[str]]:
@@ -235,6 +240,7 @@ def cmd_run(args) -> None:
         max_length=args.seq_len,
         dataset_num_proc=args.dataset_num_proc or None,  # tokenizing and packing: before step 1, not timed
         use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=not args.keep_activations,
     )
     trainer = SFTTrainer(
         model=model,
@@ -399,6 +405,7 @@ def main() -> None:
     )
     p.add_argument("--dataset-num-proc", type=int, default=8, help="processes tokenizing the data (0: TRL's one)")
     p.add_argument("--full-attention-only", action="store_true", help="CPU smoke runs: no Gated DeltaNet layers")
+    p.add_argument("--keep-activations", action="store_true", help="no recomputation (ours keeps layers that fit)")
     p.add_argument("--out", required=True)
     p = sub.add_parser("check")
     p.add_argument("--attn", default="sdpa")

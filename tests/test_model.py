@@ -1,6 +1,5 @@
 """The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
 
-import contextlib
 import dataclasses
 import itertools
 
@@ -280,37 +279,34 @@ def test_recomputed_mlps_in_tiles_give_the_same_losses_and_gradients(tiny_model_
     assert len(tiled) == 4  # never tiled inside a tile
 
 
-def test_large_saved_tensors_on_the_host_give_the_same_losses_and_gradients(tiny_model_dir, world_of_one):
-    """bench/long_levers.py's SavedOnHost through build_model's FSDP2 and recomputation: every saved tensor of a
-    hidden state's size or more (each recomputed layer's input, the final norm's, the head's gradients) goes to a
-    host buffer, reused by the next step in the same order. On CPU the copies are plain (the CUDA streams are the
-    GPU's): two steps give exactly the losses and gradients of the same steps without it."""
+def test_recomputed_layers_inputs_on_the_host_give_the_same_losses_and_gradients(tiny_model_dir, world_of_one):
+    """bench/long_levers.py's SavedOnHost through build_model's FSDP2 and recomputation: the input that a recomputed
+    layer's checkpoint saves goes to that layer's host buffer, reused by the next step; a kept layer keeps its own.
+    On CPU the copies are plain (the CUDA streams and events are the GPU's): two steps give exactly the losses and
+    gradients of the same steps without it."""
     import long_levers
 
     cfg = train.Config(model_name=str(tiny_model_dir), param_dtype="float32", compile=False)
     model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
     train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+    layers = model.get_decoder().layers
+    layers[1].gradient_checkpointing = False
     blocks = [train.make_block([(list(range(k, k + 37)), [i % 3 > 0 for i in range(37)])], 37, 0) for k in (5, 50)]
-    hidden_bytes = 37 * model.config.hidden_size * 4
-    packed = []
 
-    class Counted(long_levers.SavedOnHost):
-        def pack(self, tensor):
-            packed.append(tensor.numel() * tensor.element_size() >= hidden_bytes)
-            return super().pack(tensor)
-
-    hooks = Counted(hidden_bytes)
-
-    def step(block, on_host: bool):
+    def step(block):
         model.zero_grad(set_to_none=True)
-        with hooks if on_host else contextlib.nullcontext():
-            losses = model.token_losses(block)
+        losses = model.token_losses(block)
         losses.sum().backward()
         return losses.detach(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
-    for block in blocks:
-        plain, moved = step(block, False), step(block, True)
-        assert moved[0].equal(plain[0]) and moved[1].keys() == plain[1].keys()
-        assert all(moved[1][n].equal(plain[1][n]) for n in plain[1])
-    # each step: every layer's input, the final norm's, the head's weight gradient (at least); the same buffers twice
-    assert len(hooks.buffers) >= len(model.get_decoder().layers) + 2 and sum(packed) == 2 * len(hooks.buffers)
+    plain = [step(block) for block in blocks]
+    hidden_state = 37 * model.config.hidden_size * 4
+    on_host = long_levers.SavedOnHost(layers, hidden_state)
+    moved = [step(blocks[0])]
+    buffers = dict(on_host.buffers)
+    moved.append(step(blocks[1]))
+    assert list(buffers) == [(0, 0)]  # layer 0's input alone: layer 1 is kept, the rest are smaller
+    assert on_host.buffers[(0, 0)] is buffers[(0, 0)]  # the second step reused it
+    for (losses, grads), (plain_losses, plain_grads) in zip(moved, plain):
+        assert losses.equal(plain_losses) and grads.keys() == plain_grads.keys()
+        assert all(grads[n].equal(plain_grads[n]) for n in grads)
