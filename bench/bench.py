@@ -121,12 +121,12 @@ def cmd_ours(args) -> None:
         # auto's probe would measure the layers' recomputation tiled, then keep layers that run untiled
         sys.exit("bench: --mlp-tiles needs --set activation_checkpointing=SHARE (auto would measure tiled layers)")
     if args.mlp_tiles or args.saved_on_host_mib:  # levers for long blocks (bench/long_levers.py)
-        import long_levers
+        from long_levers import SavedOnHost, on_each_built_model, tile_mlps
 
         if args.mlp_tiles:
-            long_levers.with_mlp_tiles(args.mlp_tiles)
+            on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
-            long_levers.with_saved_on_host(args.saved_on_host_mib * 2**20)
+            on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 

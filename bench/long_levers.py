@@ -64,20 +64,6 @@ def tile_mlps(layers, tile_tokens: int) -> None:
         mlp.forward = forward
 
 
-def with_mlp_tiles(tile_tokens: int) -> None:
-    """From now on, train.build_model's models have their recomputed layers' MLPs in tiles (bench.py ours)."""
-    import train
-
-    build_model = train.build_model
-
-    def build_tiled(*args, **kwargs):
-        model = build_model(*args, **kwargs)
-        tile_mlps(model.get_decoder().layers, tile_tokens)
-        return model
-
-    train.build_model = build_tiled
-
-
 class SavedOnHost:
     """The inputs that each recomputed layer's checkpoint saves (at least min_bytes each) in host buffers, pinned for
     a GPU's: the layer's buffers are its own, reused every step, reallocated if a shape or dtype changes. The copy
@@ -132,15 +118,15 @@ class SavedOnHost:
         return host.clone()  # a tensor of its own, as the GPU's copy back is (backward may change it in place)
 
 
-def with_saved_on_host(min_bytes: int) -> None:
-    """From now on, train.build_model's models keep their recomputed layers' large saved inputs on the host."""
+def on_each_built_model(lever) -> None:
+    """From now on, lever(decoder layers) runs on each model that train.build_model builds (bench.py ours)."""
     import train
 
     build_model = train.build_model
 
-    def build_saving_on_host(*args, **kwargs):
+    def build_with_lever(*args, **kwargs):
         model = build_model(*args, **kwargs)
-        SavedOnHost(model.get_decoder().layers, min_bytes)
+        lever(model.get_decoder().layers)
         return model
 
-    train.build_model = build_saving_on_host
+    train.build_model = build_with_lever
