@@ -975,8 +975,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     # The stream starts now (its worker packs while the weights load); a bad line is said once: counting, or here.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
-    source = on_every_rank(partial(pretrained_dir, cfg), d)
-    t0 = time.perf_counter()
+    source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
     pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
@@ -1168,7 +1167,8 @@ def exit_with_launcher(launcher: int) -> None:
     """Run in a thread: torchrun's workers have sessions of their own, so killed alone it would leave them training."""
     while os.getppid() == launcher:
         time.sleep(1)
-    print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
+    with contextlib.suppress(OSError):  # the output may have been a pipe to the launcher's reader, gone with it
+        print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
     os._exit(1)
 
 
