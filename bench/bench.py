@@ -374,10 +374,10 @@ def cmd_layers(args) -> None:
     measure("compiled", True)
     if not args.long:
         measure("compiled", False)
-    for tile_tokens in args.mlp_tiles:  # a recomputed layer's MLP in tiles (issue 26): what it saves, what it costs
-        import long_levers
+    from long_levers import tile_mlps
 
-        long_levers.tile_mlps(layers, tile_tokens)
+    for tile_tokens in args.mlp_tiles:  # a recomputed layer's MLP in tiles (issue 26): what it saves, what it costs
+        tile_mlps(layers, tile_tokens)
         measure(f"compiled, MLP in tiles of {tile_tokens}", True)
     model.zero_grad(set_to_none=True)
 
@@ -722,7 +722,7 @@ def main() -> None:
     p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
-    p.add_argument("--saved-on-host-mib", type=int, default=0, help="saved tensors this large on the host (same)")
+    p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")

@@ -52,6 +52,12 @@ def code_source_root(workload: dict, path: Path) -> Path:
     return resolve_root_path(str(root), path.parent)
 
 
+def volume_not_here(env: dict, name: str) -> bool:
+    """The YAML's value of name (not yours) is a path whose folder, a volume's, this machine does not have."""
+    value = env.get(name)
+    return bool(value) and name not in os.environ and not Path(value).parent.exists()
+
+
 def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool, dry_run: bool, train_args) -> dict:
     """The environment the command runs in."""
     env = {k: str(v) for k, v in (workload.get("env_variables") or {}).items()} | dict(os.environ)
@@ -59,14 +65,12 @@ def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool,
     env |= {"SETUP_ONLY": "1"} if setup_only else {}
     env |= {"NODE_SETUP_DRY_RUN": "1"} if dry_run else {}
     env |= {"TRAIN_ARGS": " ".join(train_args)} if train_args else {}
-    cache = env.get("WHEEL_CACHE")
-    if cache and not dry_run and "WHEEL_CACHE" not in os.environ and not Path(cache).parent.exists():
+    if not dry_run and volume_not_here(env, "WHEEL_CACHE"):
         sys.exit(
-            f"{path} caches the kernels it builds in WHEEL_CACHE={cache}, which is not on this machine: set "
-            "WHEEL_CACHE to a folder of yours (WHEEL_CACHE=~/.cache/sft-wheels)"
+            f"{path} caches the kernels it builds in WHEEL_CACHE={env['WHEEL_CACHE']}, which is not on this machine: "
+            "set WHEEL_CACHE to a folder of yours (WHEEL_CACHE=~/.cache/sft-wheels)"
         )
-    kernels = env.get("KERNEL_CACHE")  # the YAML's is a volume path: here, Triton's own cache (~/.triton) serves
-    if kernels and "KERNEL_CACHE" not in os.environ and not Path(kernels).parent.exists():
+    if volume_not_here(env, "KERNEL_CACHE"):  # here, Triton's own cache (~/.triton) serves
         del env["KERNEL_CACHE"]
     for name in workload.get("secrets") or {}:
         if name not in env:
