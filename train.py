@@ -159,8 +159,7 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    owns_group = not dist.is_initialized()
-    if owns_group:
+    if owns_group := not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         how = {"store": attempt_store(world_size)} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
@@ -1028,11 +1027,14 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
+    code = 0
     try:
         train(parse_args(sys.argv[1:] if argv is None else argv)[0])
     except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
         print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
-        sys.exit(2 if isinstance(e, UserError) else 128 + signal.SIGTERM)
+        code = 2 if isinstance(e, UserError) else 128 + signal.SIGTERM
+    sys.stdout.flush(), sys.stderr.flush()  # no teardown: FSDP keeps gloo's group past destroy_process_group, and
+    os._exit(code)  # its threads, torn down with the interpreter, abort a finished rank at times (SIGABRT)
 
 
 # ==== PART II: OPERATIONS =========================================================================================
@@ -1637,8 +1639,7 @@ class RecomputeProbe(Operation):
         self.job, self.layers = job, job.model.get_decoder().layers
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
         self.kept, self.retries, self.clean_steps, self.watching = None, 0, 0, True
-        # transformers checkpoints a layer's forward (FSDP's hooks outside) through _gradient_checkpointing_func:
-        # measured inside it, the recomputation is measured too, and FSDP's all-gathered parameters are not.
+        # Measured inside transformers' _gradient_checkpointing_func: the recomputation too, FSDP's all-gathers not
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
@@ -1656,8 +1657,7 @@ class RecomputeProbe(Operation):
             self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
-        # Without early stop, which ends a recomputation before the forward returns (read per call: nothing outlives it)
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # else a recomputation ends before `end`
             return checkpoint_func(measured, *args)
 
     def after_step(self, job: Job, stats: StepStats) -> None:
