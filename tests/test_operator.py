@@ -43,6 +43,17 @@ def test_a_user_error_is_one_line_and_exit_status_2(tiny_model_dir, tmp_path):
     assert rc == 2 and err.strip().startswith("error: float8 needs an NVIDIA GPU with float8 matmuls")
 
 
+def test_a_rank_that_has_finished_leaves_before_the_interpreters_teardown(tiny_model_dir, tmp_path):
+    """The teardown can abort a finished rank (gloo's threads, freed with the interpreter: SIGABRT). Here an exit
+    handler aborts for it: main() must leave before it runs, with the run's status, trained or stopped by an error."""
+    leave = "import atexit, os, sys; atexit.register(os.abort); import train; train.main(sys.argv[1:])"
+    job = small_job(tmp_path, tiny_model_dir, max_steps=2, save_every=-1)
+    rc, out, err = run([sys.executable, "-c", leave, "--config", str(job)], worker_env())
+    assert rc == 0 and "done: 2 steps" in out, err[-2000:]
+    rc, out, err = run([sys.executable, "-c", leave, "--config", str(job), "--lerning_rate", "1e-4"], worker_env())
+    assert rc == 2 and err.startswith("error: unknown configuration key 'lerning_rate'"), err[-2000:]
+
+
 @pytest.mark.distributed
 def test_under_torchrun_a_user_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
     missing = small_job(tmp_path, tiny_model_dir, dataset_name=str(tmp_path / "nowhere.jsonl"))
