@@ -222,7 +222,8 @@ def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_
     """@distributed starts one process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, and calls the
     function there: no torchrun."""
     config = yaml.safe_load(tiny_override(tmp_path, tiny_model_dir).read_text())
-    call = "import json, sys, train; print('RESULT', json.dumps(train.train(json.loads(sys.argv[1]))))"
+    call = "import json, os, sys, train; print('RESULT', json.dumps(train.train(json.loads(sys.argv[1]))), flush=True)"
+    call += "; os._exit(0)"  # as main() leaves: the interpreter's teardown can abort a finished rank (gloo's threads)
     port = str(train.free_port())
     procs = [
         subprocess.Popen(
