@@ -44,6 +44,7 @@ import time
 import weakref
 import zlib
 from collections import Counter, namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -967,6 +968,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    fetching = ThreadPoolExecutor(1)  # kept to the end: its thread never exits while a DataLoader forks workers
+    fetched = fetching.submit(pretrained_dir, cfg)  # a hub model's weights download while the data is counted
     if cfg.max_steps or meta:  # the step count; without either, the counting pass's (a stream has no length)
         total_steps, packing = cfg.max_steps or meta["total_steps"], None
     else:
@@ -974,7 +977,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     # The stream starts now (its worker packs while the weights load); a bad line is said once: counting, or here.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
-    source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
+    source, t0 = on_every_rank(fetched.result, d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
     pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
@@ -1648,8 +1651,7 @@ class RecomputeProbe(Operation):
         def measured(*args):
             start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
             start.record()
-            output = forward(*args)
-            end = torch.cuda.Event(enable_timing=True)
+            output, end = forward(*args), torch.cuda.Event(enable_timing=True)
             end.record()
             outputs = output if isinstance(output, tuple) else (output,)
             kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
@@ -1671,8 +1673,7 @@ class RecomputeProbe(Operation):
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
             torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
         elif self.kept is None:  # step 2: its peak is the baseline; the layers saving the most time per byte are kept
-            d, gib, n = job.d, 2**30, len(self.layers)
-            free, total = torch.cuda.mem_get_info()
+            d, gib, n, (free, total) = job.d, 2**30, len(self.layers), torch.cuda.mem_get_info()
             limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
             usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
             costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
@@ -1721,9 +1722,8 @@ def alloc_retries() -> int:
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
 
-def matmul_params(model) -> int:
-    layers = sum(p.numel() for p in model.get_decoder().layers.parameters())
-    return layers + model.get_output_embeddings().weight.numel()  # the parameters costing 2 FLOPs per token forward
+def matmul_params(model) -> int:  # the parameters costing 2 FLOPs per token forward
+    return sum(map(torch.numel, model.get_decoder().layers.parameters())) + model.get_output_embeddings().weight.numel()
 
 
 def attention_flops_per_sq_token(model) -> int:
