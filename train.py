@@ -44,7 +44,6 @@ import time
 import weakref
 import zlib
 from collections import Counter, namedtuple
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -968,8 +967,6 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    fetching = ThreadPoolExecutor(1)  # kept to the end: its thread never exits while a DataLoader forks workers
-    fetched = fetching.submit(pretrained_dir, cfg)  # a hub model's weights download while the data is counted
     if cfg.max_steps or meta:  # the step count; without either, the counting pass's (a stream has no length)
         total_steps, packing = cfg.max_steps or meta["total_steps"], None
     else:
@@ -977,7 +974,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     # The stream starts now (its worker packs while the weights load); a bad line is said once: counting, or here.
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
-    source, t0 = on_every_rank(fetched.result, d), time.perf_counter()
+    source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
     pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)

@@ -1,6 +1,7 @@
 """A stand-in for the Hugging Face hub over HTTP (HF_ENDPOINT=hub.url): one model repo served from a local folder,
 as huggingface_hub's snapshot_download and transformers' from_pretrained ask for it (repo info, file tree, HEAD and
-GET of each file). Its files can be sent at a set rate, and each request is logged with its start and end times."""
+GET of each file); gated: every request refused as the hub refuses a gated repo without a token. Each request is
+logged with its start and end times."""
 
 import hashlib
 import json
@@ -11,8 +12,8 @@ from pathlib import Path
 
 
 class FakeHub:
-    def __init__(self, folder: Path, repo: str, bytes_per_s: float | None = None):
-        self.repo, self.rate, self.requests = repo, bytes_per_s, []  # requests: (method, path, start, end)
+    def __init__(self, folder: Path, repo: str, gated: bool = False):
+        self.repo, self.gated, self.requests = repo, gated, []  # requests: (method, path, start, end)
         paths = sorted(p for p in folder.rglob("*") if p.is_file())
         self.files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in paths}
         self.sha = hashlib.sha1("".join(self.files).encode()).hexdigest()
@@ -39,7 +40,9 @@ class FakeHub:
         start, path = time.monotonic(), request.path.split("?")[0]
         api, resolve = f"/api/models/{self.repo}", f"/{self.repo}/resolve/"
         status, body, headers = 404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": self.sha}
-        if path.startswith(f"{api}/tree/") and path.count("/") == 6:  # the whole tree (a folder's: none)
+        if self.gated:
+            status, headers = 401, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"}
+        elif path.startswith(f"{api}/tree/") and path.count("/") == 6:  # the whole tree (a folder's: none)
             tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
                     for name, data in self.files.items()]  # fmt: skip
             status, body = 200, json.dumps(tree).encode()
@@ -53,11 +56,8 @@ class FakeHub:
         for key, value in {**headers, "Content-Length": str(len(body))}.items():
             request.send_header(key, value)
         request.end_headers()
-        step = max(1, int(self.rate / 20)) if self.rate and status == 200 and path.startswith(resolve) else None
-        for i in range(0, len(body) if send_body else 0, step or max(1, len(body))):
-            request.wfile.write(body[i : i + (step or len(body))])
-            if step:
-                time.sleep(step / self.rate)
+        if send_body:
+            request.wfile.write(body)
         self.requests.append((request.command, path, start, time.monotonic()))
 
     def close(self) -> None:
