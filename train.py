@@ -1033,8 +1033,9 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
         print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
         code = 2 if isinstance(e, UserError) else 128 + signal.SIGTERM
-    sys.stdout.flush(), sys.stderr.flush()  # no teardown: FSDP keeps gloo's group past destroy_process_group, and
-    os._exit(code)  # its threads, torn down with the interpreter, abort a finished rank at times (SIGABRT)
+    with contextlib.suppress(OSError):  # a pipe closed with the launcher
+        sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)  # no teardown: gloo's group outlives destroy_process_group, and its threads can abort it (SIGABRT)
 
 
 # ==== PART II: OPERATIONS =========================================================================================
