@@ -702,6 +702,18 @@ def cmd_summary(args) -> None:
         Path(args.out).write_text(json.dumps(summary, indent=1))
 
 
+def add_run_arguments(p: argparse.ArgumentParser, steps: bool = True) -> None:
+    """What every measured run names (ours, layers, trl_peer.py's run): geometry, tokenizer, data, block, output."""
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, default=32768)
+    if steps:
+        p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--attn", default="torch_varlen", help="torch_varlen (as ours and the seed) or sdpa")
+    p.add_argument("--out", required=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -711,13 +723,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("ours")
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--tokenizer", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--seq-len", type=int, default=32768)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--attn", default="torch_varlen")
-    p.add_argument("--out", required=True)
+    add_run_arguments(p)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe setting (YAML scalar)")
     p.add_argument("--free-saved-shards", action="store_true", help="delete complete checkpoints' shards (disk)")
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
@@ -726,12 +732,7 @@ def main() -> None:
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--tokenizer", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--seq-len", type=int, default=32768)
-    p.add_argument("--attn", default="torch_varlen")
-    p.add_argument("--out", required=True)
+    add_run_arguments(p, steps=False)
     p.add_argument("--mlp-tiles", type=int, nargs="*", default=[], help="also: recomputed, MLPs in tiles of N tokens")
     p.add_argument("--long", action="store_true", help="only compiled, recomputed variants (long blocks)")
     p = sub.add_parser("summary")

@@ -390,12 +390,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run")
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--tokenizer", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--seq-len", type=int, default=32768)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--attn", default="torch_varlen", help="torch_varlen (as ours and the seed) or sdpa")
+    bench.add_run_arguments(p)
     p.add_argument(
         "--weights",
         default="bfloat16",
@@ -406,7 +401,6 @@ def main() -> None:
     p.add_argument("--dataset-num-proc", type=int, default=8, help="processes tokenizing the data (0: TRL's one)")
     p.add_argument("--full-attention-only", action="store_true", help="CPU smoke runs: no Gated DeltaNet layers")
     p.add_argument("--keep-activations", action="store_true", help="no recomputation (ours keeps layers that fit)")
-    p.add_argument("--out", required=True)
     p = sub.add_parser("check")
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="", help="default: the GPU if there is one (bench.build_device)")
