@@ -1649,7 +1649,8 @@ class RecomputeProbe(Operation):
         def measured(*args):
             start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
             start.record()
-            output, end = forward(*args), torch.cuda.Event(enable_timing=True)
+            output = forward(*args)
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
             outputs = output if isinstance(output, tuple) else (output,)
             kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
@@ -1657,7 +1658,8 @@ class RecomputeProbe(Operation):
             self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # else a recomputation ends before `end`
+        # Without early stop, which ends a recomputation before the forward returns (read per call: nothing outlives it)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return checkpoint_func(measured, *args)
 
     def after_step(self, job: Job, stats: StepStats) -> None:
