@@ -5,12 +5,12 @@ full parameters, buffers and the logits of a fixed input; finally the recipe's e
     torchrun --nproc_per_node=2 tests/workers/export_worker.py MODEL_DIR OUT_DIR [CHECKPOINT_DIR]
 """
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from clean_exit import leave
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import train
@@ -35,6 +35,4 @@ with torch.no_grad():
 if d.rank == 0:
     torch.save({"params": params, "buffers": buffers, "input_ids": input_ids, "logits": logits}, out / "fsdp.pt")
 train.export_hf(model, train.load_tokenizer(cfg), source, dtypes, cfg, d)
-# As train.py's main(): no interpreter teardown, in which gloo's threads can abort a finished rank (SIGABRT)
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
+leave()  # clean_exit.py: as train.py's main() leaves

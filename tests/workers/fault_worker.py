@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import yaml
+from clean_exit import leave
 from torch.distributed.checkpoint import FileSystemWriter
 
 import train
@@ -90,6 +91,4 @@ if fault == "slow-waits":  # legitimate waits longer than the collective timeout
     if rank == 0:  # the export's files, written by rank 0 while the others wait
         train.stop_at_end_of_turn = slowly(train.stop_at_end_of_turn, late)
 train.train(settings, step_hook=inject)
-# As train.py's main(): no interpreter teardown, in which gloo's threads can abort a finished rank (SIGABRT)
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
+leave()  # clean_exit.py: as train.py's main() leaves

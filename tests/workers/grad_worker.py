@@ -3,12 +3,12 @@ that the test assigns per rank (its normaliser, fillers and FSDP2 reduction); ra
 and the full gradients, taken by the step hook after the backward, before clipping."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from clean_exit import leave
 
 import train
 
@@ -36,6 +36,4 @@ if d.rank == 0:
     checkpointed = [layer.gradient_checkpointing for layer in model.get_decoder().layers]
     result = {"loss": loss_sum.item() / stats.loss_tokens, "grads": grads, "n_micro": stats.max_blocks}
     torch.save({**result, "checkpointed": checkpointed, "stepped": job.progress.step}, out_file)
-# As train.py's main(): no interpreter teardown, in which gloo's threads can abort a finished rank (SIGABRT)
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
+leave()  # clean_exit.py: as train.py's main() leaves

@@ -3,8 +3,7 @@
 torchrun --nproc_per_node=2 tests/workers/rank_error_worker.py
 """
 
-import os
-import sys
+from clean_exit import leave
 
 import train
 
@@ -21,6 +20,4 @@ try:
     train.on_every_rank(check, d)
 except train.UserError as e:
     print(f"rank {d.rank} raised: {e}", flush=True)
-# As train.py's main(): no interpreter teardown, in which gloo's threads can abort a finished rank (SIGABRT)
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
+leave()  # clean_exit.py: as train.py's main() leaves

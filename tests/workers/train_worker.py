@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from clean_exit import leave
 
 import train
 
@@ -28,6 +29,4 @@ def record(step, model, loss_sum, blocks):
 result = train.train(yaml.safe_load(Path(job).read_text()), step_hook=record)
 Path(out, f"result_{os.environ['RANK']}.json").write_text(json.dumps(result))
 Path(out, f"trained_{os.environ['RANK']}.json").write_text(json.dumps({"steps": steps, "segments": trained}))
-# As train.py's main(): no interpreter teardown, in which gloo's threads can abort a finished rank (SIGABRT)
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
+leave()  # clean_exit.py: as train.py's main() leaves
