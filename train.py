@@ -144,8 +144,6 @@ class Config:  # every setting of a run, with the default job's values; checked 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
-
-
 Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
 
 
@@ -161,7 +159,7 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
         torch.cuda.set_device(device)
     if owns_group := not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        how = {"store": attempt_store(world_size)} if launched else {"init_method": f"tcp://127.0.0.1:{free_port()}"}
+        how = {"store": attempt_store(world_size) if launched else dist.HashStore()}  # a world of one needs no port
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
             how["device_id"] = device
             traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}
@@ -455,17 +453,14 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
     for index, record, source in records:
         try:
             result = samples_of(record, masker, cfg)
+            samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
+            if any(len(ids) > cfg.max_seq_len for ids, _ in result):
+                counts.update({"truncated": 1, (source, "truncated"): 1})
+            # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
+            if not (samples := [(ids, mask) for ids, mask in samples if any(mask[1:])]):
+                raise Skip("no loss tokens after truncation")
         except Skip as reason:
             counts.update({str(reason): 1, (source, str(reason)): 1})
-            continue
-        samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
-        if any(len(ids) > cfg.max_seq_len for ids, _ in result):
-            counts.update({"truncated": 1, (source, "truncated"): 1})
-        # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
-        samples = [(ids, mask) for ids, mask in samples if any(mask[1:])]
-        if not samples:
-            reason = "no loss tokens after truncation"
-            counts.update({reason: 1, (source, reason): 1})
             continue
         counts.update({"conversations": 1, (source, "conversations"): 1})
         if len(samples) > 1:
@@ -619,12 +614,12 @@ class PackedBlocks(IterableDataset):
         return [found[record][k] for record, k in carried]
 
 
-def block_loader(cfg: Config, tokenizer, part: str, rank: int, world_size: int, epochs: int, resume=None, report=True):
-    blocks = PackedBlocks(cfg, tokenizer, part, rank, world_size, epochs, resume, report)
+def block_loader(cfg: Config, tokenizer, part, rank, world_size, epochs, resume=None, report=True, counting=False):
+    data = (CountedBlocks if counting else PackedBlocks)(cfg, tokenizer, part, rank, world_size, epochs, resume, report)
     # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
     extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
-    pinned, workers = torch.cuda.is_available(), cfg.num_workers
-    return DataLoader(blocks, batch_size=None, num_workers=workers, pin_memory=pinned, **(extra if workers else {}))
+    pinned, workers = torch.cuda.is_available() and not counting, cfg.num_workers  # counting: no tensors, no pinning
+    return DataLoader(data, batch_size=None, num_workers=workers, pin_memory=pinned, **(extra if workers else {}))
 
 
 def load_tokenizer(cfg: Config):
@@ -967,26 +962,28 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    if cfg.max_steps or meta:  # the step count; without either, the counting pass's (a stream has no length)
-        total_steps, packing = cfg.max_steps or meta["total_steps"], None
-    else:
-        max_blocks, packing = count_blocks(cfg, tokenizer, d)
-        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
-    # The stream starts now (its worker packs while the weights load); a bad line is said once: counting, or here.
-    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, packing is None))
+    # The step count: max_steps, a resume's, or the counting pass's (a stream has no length), counted from now on by
+    # its workers while the weights load. The stream starts now too; a bad line is said once: counting, or there.
+    counted = not (cfg.max_steps or meta)
+    counting = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, 1, counting=True)) if counted else None
+    blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
     # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
     pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
     source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
+    if not meta:  # a resume's weights come with its optimizer's state
+        load_pretrained(model, source, source_dtypes) if pretrained else init_random(model, cfg.seed)
+    ready_s = time.perf_counter() - t0
+    if counted:  # the weights are in; what is left of the count is waited for
+        max_blocks, packing = count_blocks(counting, cfg, d)
+        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
+    else:
+        total_steps, packing = cfg.max_steps or meta["total_steps"], None
     optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
-    elif pretrained:
-        load_pretrained(model, source, source_dtypes)
-    else:
-        init_random(model, cfg.seed)
-    print0(d.rank, describe_model(model, config, cfg, d, attn, total_steps, time.perf_counter() - t0))
+    print0(d.rank, describe_model(model, config, cfg, d, attn, total_steps, ready_s))  # a resume's: its own line
     filler = filler_block(pad_token_id(tokenizer))
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
     with MetricsLog(cfg, d, model, packing) as log:
@@ -1160,12 +1157,6 @@ def fixed_on_resume(saved: dict, cfg: Config) -> dict:
 
 
 # ---- Startup checks (what can fail without the weights fails first, on every rank alike), the counting pass ------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def exit_with_launcher(launcher: int) -> None:
     """Run in a thread: torchrun's workers have sessions of their own, so killed alone it would leave them training."""
     while os.getppid() == launcher:
@@ -1369,17 +1360,26 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
     )
 
 
-def count_blocks(cfg: Config, tokenizer, d: Dist, progress_every_s: float = 60) -> tuple[int, dict]:
-    t0 = shown = time.monotonic()  # this rank's shard packed once, no model: the exact step count, bad data early
-    seen, tokens, loss_tokens = Progress(), 0, 0
-    loader = block_loader(cfg, tokenizer, "train", d.rank, d.world_size, epochs=1)
-    for block in seen.blocks_of(loader, cfg.num_workers):  # each stream's counts kept, a blockless one's too
-        tokens, loss_tokens = tokens + block["tokens"], loss_tokens + block["loss_tokens"]
-        if time.monotonic() - shown > progress_every_s:  # a large dataset takes minutes: show that it moves
-            shown, where = time.monotonic(), block["position"].record
-            print0(d.rank, f"counting: {seen.blocks:,} blocks so far on rank 0, {where:,} records in")
-    totals = [None] * d.world_size
-    dist.all_gather_object(totals, (seen.blocks, tokens, loss_tokens, seen.stream_counts()))
+class CountedBlocks(PackedBlocks):  # the counting pass's stream: its blocks counted in its worker, its end handed over
+    progress_every_s = 60  # a large dataset takes minutes: show that it moves
+
+    def __iter__(self):  # with no block to hand over, the worker counts on while its process loads the weights
+        t0 = shown = time.monotonic()
+        sums = Counter(blocks=0, tokens=0, loss_tokens=0)
+        for item in super().__iter__():  # the blocks, then the stream's end (no block), with its records' counts
+            if "input_ids" in item:
+                sums.update(blocks=1, tokens=item["tokens"], loss_tokens=item["loss_tokens"])
+                if time.monotonic() - shown > self.progress_every_s:
+                    shown, n, at = time.monotonic(), sums["blocks"], item["position"].record
+                    print0(self.rank, f"counting: {n:,} blocks so far on rank 0, {at:,} records in")
+        yield {**sums, "position": item["position"], "seconds": time.monotonic() - t0}
+
+
+def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exact step count, bad data early
+    waiting, ends = time.monotonic(), list(counting)  # each worker's stream's end, its sums and its records' counts
+    mine = [sum(end[k] for end in ends) for k in ("blocks", "tokens", "loss_tokens")]
+    totals, counted = [None] * d.world_size, max(end["seconds"] for end in ends)
+    dist.all_gather_object(totals, (*mine, sum((Counter(e["position"].counts_at_end) for e in ends), Counter())))
     blocks_per_rank, counts = [t[0] for t in totals], sum((Counter(t[3]) for t in totals), Counter())
     capacity, skipped = max(1, sum(blocks_per_rank) * cfg.max_seq_len), skip_reasons(counts)
     stats = {"blocks": sum(blocks_per_rank), "blocks_per_rank_min_max": [min(blocks_per_rank), max(blocks_per_rank)]}
@@ -1388,7 +1388,7 @@ def count_blocks(cfg: Config, tokenizer, d: Dist, progress_every_s: float = 60) 
     stats |= {"extra_samples_for_reasoning": counts[EXTRA_SAMPLES], "truncated": counts["truncated"]}
     stats |= {"skipped": sum(skipped.values()), "skipped_by_reason": skipped}
     stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
-    print0(d.rank, f"data: {json.dumps(stats)} (counted in {time.monotonic() - t0:.0f}s)")
+    print0(d.rank, f"data: {json.dumps(stats)} (counted in {counted:.1f}s, waited {time.monotonic() - waiting:.1f}s)")
     if max(blocks_per_rank) == 0:
         names = ", ".join(source["label"] for source in data_sources(cfg, "train"))
         raise UserError(f"no trainable conversation in {names}: {stats}")

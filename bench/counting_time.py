@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The counting pass's cost per conversation (issue 25, target 5): this rank's shard of DATA packed into blocks as
-train.py's count_blocks packs it (block_loader, the real chat template and masker), without a model, for each
-num_workers given. On CPU; its figure times the conversations a rank holds is the pass's time before step 1.
+train.py packs it (block_loader, the real chat template and masker), without a model, for each num_workers given:
+as the counting pass does (counted in its workers, only each stream's end handed over), and as the training stream
+does (every block handed over). On CPU; its figure times the conversations a rank holds is the pass's time.
 
     python bench/counting_time.py DATA TOKENIZER_DIR [--seq-len 32768] [--workers 0 1 2]
 """
@@ -33,15 +34,17 @@ def main() -> None:
             eval_fraction=0.0,
         )
         tokenizer = train.load_tokenizer(cfg)
-        t0 = time.perf_counter()
-        loader = train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False)
-        blocks = sum("input_ids" in item for item in loader)  # not each stream's end, which carries no block
-        seconds = time.perf_counter() - t0
-        print(
-            f"num_workers {workers}: {records} conversations into {blocks} blocks of {args.seq_len} "
-            f"in {seconds:.1f} s, {1e3 * seconds / records:.2f} ms per conversation",
-            flush=True,
-        )
+        for counting in (True, False):
+            t0 = time.perf_counter()
+            loader = train.block_loader(cfg, tokenizer, "train", 0, 1, 1, report=False, counting=counting)
+            items = list(loader)
+            blocks = sum(item["blocks"] for item in items) if counting else sum("input_ids" in i for i in items)
+            seconds, kind = time.perf_counter() - t0, "counting pass" if counting else "training stream"
+            print(
+                f"num_workers {workers}, {kind}: {records} conversations into {blocks} blocks of {args.seq_len} "
+                f"in {seconds:.1f} s, {1e3 * seconds / records:.2f} ms per conversation",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ PYTHONPATH."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "ultrachat_sample.jsonl"
 WORKERS = ROOT / "tests" / "workers"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def free_port() -> int:  # for a server or a rendezvous a test starts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_env(**extra) -> dict:

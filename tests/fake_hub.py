@@ -1,7 +1,7 @@
 """A stand-in for the Hugging Face hub over HTTP (HF_ENDPOINT=hub.url): one model repo served from a local folder,
 as huggingface_hub's snapshot_download and transformers' from_pretrained ask for it (repo info, file tree, HEAD and
-GET of each file); gated: every request refused as the hub refuses a gated repo without a token. Each request is
-logged with its start and end times."""
+GET of each file); gated: every request refused as the hub refuses a gated repo without a token. Its files can be
+sent at a set rate (bytes_per_s), and each request is logged with its start and end times."""
 
 import hashlib
 import json
@@ -12,8 +12,8 @@ from pathlib import Path
 
 
 class FakeHub:
-    def __init__(self, folder: Path, repo: str, gated: bool = False):
-        self.repo, self.gated, self.requests = repo, gated, []  # requests: (method, path, start, end)
+    def __init__(self, folder: Path, repo: str, gated: bool = False, bytes_per_s: float | None = None):
+        self.repo, self.gated, self.rate, self.requests = repo, gated, bytes_per_s, []  # (method, path, start, end)
         paths = sorted(p for p in folder.rglob("*") if p.is_file())
         self.files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in paths}
         self.sha = hashlib.sha1("".join(self.files).encode()).hexdigest()
@@ -56,8 +56,11 @@ class FakeHub:
         for key, value in {**headers, "Content-Length": str(len(body))}.items():
             request.send_header(key, value)
         request.end_headers()
-        if send_body:
-            request.wfile.write(body)
+        step = max(1, int(self.rate / 20)) if self.rate and status == 200 and path.startswith(resolve) else None
+        for i in range(0, len(body) if send_body else 0, step or max(1, len(body))):
+            request.wfile.write(body[i : i + (step or len(body))])
+            if step:
+                time.sleep(step / self.rate)
         self.requests.append((request.command, path, start, time.monotonic()))
 
     def close(self) -> None:

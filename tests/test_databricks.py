@@ -14,7 +14,7 @@ from pathlib import Path
 import air_schema
 import pytest
 import yaml
-from conftest import ROOT, TORCHRUN, fake_cuda_home, worker_env, write_tiny_job
+from conftest import ROOT, TORCHRUN, fake_cuda_home, free_port, worker_env, write_tiny_job
 
 import train
 
@@ -140,7 +140,7 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         "KERNEL_CACHE_SAVE_S": "1",
         "TMPDIR": str(tmp_path),
         "LOCAL_WORLD_SIZE": "2",
-        "MASTER_PORT": str(train.free_port()),
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
@@ -224,7 +224,7 @@ def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_
     config = yaml.safe_load(tiny_override(tmp_path, tiny_model_dir).read_text())
     call = "import json, os, sys, train; print('RESULT', json.dumps(train.train(json.loads(sys.argv[1]))), flush=True)"
     call += "; os._exit(0)"  # as main() leaves: the interpreter's teardown can abort a finished rank (gloo's threads)
-    port = str(train.free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", call, json.dumps(config)],

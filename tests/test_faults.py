@@ -262,10 +262,10 @@ def test_an_exception_on_one_rank_ends_every_rank_without_hanging(tiny_model_dir
     assert seconds < 90
 
 
-def test_runs_without_a_launcher_each_take_a_free_port(tiny_model_dir, tmp_path, monkeypatch):
+def test_runs_without_a_launcher_take_no_port(tiny_model_dir, tmp_path, monkeypatch):
     """A world of one (python train.py, train() in a notebook's process) set MASTER_PORT=29500 in its environment
     and left the port bound in its process: a run started beside it failed with EADDRINUSE (seen in this suite).
-    Now each takes a free port, and the environment is left as it was."""
+    Now its group's store is in the process (HashStore), and the environment is left as it was."""
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for n in range(2):

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import TORCHRUN, WORKERS, run, worker_env, write_tiny_job
+from conftest import TORCHRUN, WORKERS, free_port, run, worker_env, write_tiny_job
 
 import train
 
@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`mlflow server` as a user would start one, lean for a CI runner (one worker, no job runner): its URI."""
-    tmp, port = tmp_path_factory.mktemp("mlflow"), train.free_port()
+    tmp, port = tmp_path_factory.mktemp("mlflow"), free_port()
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     command += ["--backend-store-uri", f"sqlite:///{tmp}/mlflow.db", "--default-artifact-root", str(tmp / "artifacts")]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -90,7 +90,7 @@ def test_a_sigterm_ends_the_platforms_run_killed_with_its_checkpoint(server, tin
     ids=["file_store", "unreachable", "no_such_run"],
 )
 def test_a_store_it_cannot_use_stops_the_run_before_the_model_loads(env, message, server, tiny_model_dir, tmp_path):
-    values = {"tmp": tmp_path, "closed": train.free_port(), "server": server}
+    values = {"tmp": tmp_path, "closed": free_port(), "server": server}
     env = worker_env(
         **{k: v.format(**values) for k, v in env.items()},
         MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",

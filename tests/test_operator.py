@@ -1,8 +1,10 @@
 """What an operator meets: one-line errors with exit status 2, counts that survive a rank without blocks, a run
 that trains nothing, a refused resume, damaged checkpoints, two runs on one output_dir."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -141,9 +143,36 @@ def test_skip_counts_reach_the_totals_from_a_rank_without_blocks(tokenizer, tmp_
 
 def test_the_counting_pass_shows_progress(tokenizer, world_of_one, monkeypatch, capsys):
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=2048, num_workers=0, pack_buffer_blocks=2)
-    blocks, _ = train.count_blocks(cfg, tokenizer, world_of_one, progress_every_s=-1)  # a line per block
+    monkeypatch.setattr(train.CountedBlocks, "progress_every_s", -1)  # a line per block
+    counting = train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True)
+    blocks, _ = train.count_blocks(iter(counting), cfg, world_of_one)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("counting: ")]
     assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far on rank 0")
+
+
+def test_the_counting_pass_counts_in_its_worker_while_the_process_does_other_work(
+    tokenizer, world_of_one, monkeypatch, capfd
+):
+    """Nothing is taken from the counting loader until count_blocks: its worker must still reach the last block (a
+    stream that handed over blocks would stop after the loader's prefetch of 4), and count what num_workers 0 does."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=512, num_workers=0, pack_buffer_blocks=2)
+    counting = iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True))
+    expected, in_process = train.count_blocks(counting, cfg, world_of_one)
+    assert expected > 8
+    monkeypatch.setattr(train.CountedBlocks, "progress_every_s", -1)  # the forked worker's too: a line per block
+    cfg = dataclasses.replace(cfg, num_workers=1)
+    counting, seen, deadline = (
+        iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True)),
+        "",
+        time.monotonic() + 60,
+    )
+    while f"counting: {expected:,} blocks" not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen += capfd.readouterr().out
+    assert f"counting: {expected:,} blocks so far on rank 0" in seen, seen[-300:]
+    assert train.count_blocks(counting, cfg, world_of_one) == (expected, in_process)
+    waited = re.search(r"waited ([0-9.]+)s\)", capfd.readouterr().out)
+    assert float(waited[1]) < 5  # the count was done: count_blocks took the stream's end alone
 
 
 def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp_path):
