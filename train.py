@@ -148,7 +148,7 @@ Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: cr
 
 
 def setup_distributed(output_dir: str = "outputs") -> Dist:
-    """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one on a free port."""
+    """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one (in-process store)."""
     launched, env = "WORLD_SIZE" in os.environ, os.environ.get
     rank, local_rank, world_size = int(env("RANK", "0")), int(env("LOCAL_RANK", "0")), int(env("WORLD_SIZE", "1"))
     # Expandable segments however it is launched (docs/BENCHMARKS.md: stalls without); a user's own setting wins.
@@ -456,9 +456,8 @@ def tokenize_stream(records, masker: AssistantMasker, cfg: Config, counts: Count
             samples = [(ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]) for ids, mask in result]
             if any(len(ids) > cfg.max_seq_len for ids, _ in result):
                 counts.update({"truncated": 1, (source, "truncated"): 1})
-            # A sample may have no trained turn left: truncated, or all its turns trained in samples of their own.
-            if not (samples := [(ids, mask) for ids, mask in samples if any(mask[1:])]):
-                raise Skip("no loss tokens after truncation")
+            if not (samples := [(ids, mask) for ids, mask in samples if any(mask[1:])]):  # no trained turn left:
+                raise Skip("no loss tokens after truncation")  # or each trained in a sample of its own (reasoning)
         except Skip as reason:
             counts.update({str(reason): 1, (source, str(reason)): 1})
             continue
@@ -962,8 +961,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    # The step count: max_steps, a resume's, or the counting pass's (a stream has no length), counted from now on by
-    # its workers while the weights load. The stream starts now too; a bad line is said once: counting, or there.
+    # Steps: max_steps, a resume's, or counted while the weights load; a bad line is said once (counting, or streaming)
     counted = not (cfg.max_steps or meta)
     counting = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, 1, counting=True)) if counted else None
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
@@ -1365,17 +1363,19 @@ class CountedBlocks(PackedBlocks):  # the counting pass's stream: its blocks cou
 
     def __iter__(self):  # with no block to hand over, the worker counts on while its process loads the weights
         t0 = shown = time.monotonic()
-        sums = Counter(blocks=0, tokens=0, loss_tokens=0)
+        sums, parent = Counter(blocks=0, tokens=0, loss_tokens=0), os.getppid()  # a worker's parent: the rank
         for item in super().__iter__():  # the blocks, then the stream's end (no block), with its records' counts
+            if os.getppid() != parent:  # the rank is gone (killed, or stopped on an error): its count is not wanted
+                return
             if "input_ids" in item:
                 sums.update(blocks=1, tokens=item["tokens"], loss_tokens=item["loss_tokens"])
                 if time.monotonic() - shown > self.progress_every_s:
-                    shown, n, at = time.monotonic(), sums["blocks"], item["position"].record
-                    print0(self.rank, f"counting: {n:,} blocks so far on rank 0, {at:,} records in")
+                    shown, n, at = time.monotonic(), sums["blocks"], item["position"]
+                    print0(self.rank, f"counting: {n:,} blocks so far, rank 0 stream {at.slot}, {at.record:,} records")
         yield {**sums, "position": item["position"], "seconds": time.monotonic() - t0}
 
 
-def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exact step count, bad data early
+def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exact step count; bad data before a step
     waiting, ends = time.monotonic(), list(counting)  # each worker's stream's end, its sums and its records' counts
     mine = [sum(end[k] for end in ends) for k in ("blocks", "tokens", "loss_tokens")]
     totals, counted = [None] * d.world_size, max(end["seconds"] for end in ends)

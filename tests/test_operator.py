@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, SAMPLE, TORCHRUN, WORKERS, run, worker_env, write_tiny_job
@@ -147,11 +148,11 @@ def test_the_counting_pass_shows_progress(tokenizer, world_of_one, monkeypatch, 
     counting = train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True)
     blocks, _ = train.count_blocks(iter(counting), cfg, world_of_one)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("counting: ")]
-    assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far on rank 0")
+    assert len(lines) == blocks and lines[-1].startswith(f"counting: {blocks:,} blocks so far, rank 0 stream 0")
 
 
 def test_the_counting_pass_counts_in_its_worker_while_the_process_does_other_work(
-    tokenizer, world_of_one, monkeypatch, capfd
+    tokenizer, world_of_one, monkeypatch, tmp_path
 ):
     """Nothing is taken from the counting loader until count_blocks: its worker must still reach the last block (a
     stream that handed over blocks would stop after the loader's prefetch of 4), and count what num_workers 0 does."""
@@ -159,20 +160,57 @@ def test_the_counting_pass_counts_in_its_worker_while_the_process_does_other_wor
     counting = iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True))
     expected, in_process = train.count_blocks(counting, cfg, world_of_one)
     assert expected > 8
-    monkeypatch.setattr(train.CountedBlocks, "progress_every_s", -1)  # the forked worker's too: a line per block
+    log = tmp_path / "printed.txt"  # what print0 says, in the forked worker too (appended: no lost line)
+
+    def to_log(rank, *args, file=None):
+        with open(log, "a") as f:
+            print(*args, file=f)
+
+    monkeypatch.setattr(train, "print0", to_log)
+    monkeypatch.setattr(train.CountedBlocks, "progress_every_s", -1)  # a line per block
     cfg = dataclasses.replace(cfg, num_workers=1)
-    counting, seen, deadline = (
+    counting, deadline = (
         iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True)),
-        "",
         time.monotonic() + 60,
     )
-    while f"counting: {expected:,} blocks" not in seen and time.monotonic() < deadline:
+    last = f"counting: {expected:,} blocks so far, rank 0 stream 0"
+    while not (log.exists() and last in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
-        seen += capfd.readouterr().out
-    assert f"counting: {expected:,} blocks so far on rank 0" in seen, seen[-300:]
+    assert last in log.read_text(), log.read_text()[-300:]
     assert train.count_blocks(counting, cfg, world_of_one) == (expected, in_process)
-    waited = re.search(r"waited ([0-9.]+)s\)", capfd.readouterr().out)
+    waited = re.search(r"waited ([0-9.]+)s\)", log.read_text())
     assert float(waited[1]) < 5  # the count was done: count_blocks took the stream's end alone
+
+
+def test_a_counting_worker_stops_when_its_rank_is_gone(tiny_model_dir, tmp_path):
+    """A counting worker hands nothing over until its stream ends, so it never meets the DataLoader's check on its
+    parent: it checks itself, and stops within a block of the rank's end (killed, or stopped on an error)."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(SAMPLE.read_text() * 100)  # minutes to count here
+    rank = f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import train
+cfg = train.Config(model_name={str(tiny_model_dir)!r}, model_revision="", dataset_name={str(data)!r}, max_seq_len=512)
+counting = iter(train.block_loader(cfg, train.load_tokenizer(cfg), "train", 0, 1, 1, counting=True))
+time.sleep(3)  # counting
+print(counting._workers[0].pid, flush=True)
+os._exit(1)  # as a rank that dies during the load
+"""
+    with open(tmp_path / "rank.out", "w") as out:  # not a pipe: the worker would hold it open
+        subprocess.run([sys.executable, "-c", rank], stdout=out, timeout=120)
+    worker = int((tmp_path / "rank.out").read_text())
+
+    def alive(pid: int) -> bool:  # a zombie (no one reaps an orphan in some containers) has stopped
+        try:
+            return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(worker), "the counting worker counts on without its rank"
 
 
 def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp_path):
