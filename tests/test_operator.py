@@ -193,7 +193,7 @@ sys.path.insert(0, {str(ROOT)!r})
 import train
 cfg = train.Config(model_name={str(tiny_model_dir)!r}, model_revision="", dataset_name={str(data)!r}, max_seq_len=512)
 counting = iter(train.block_loader(cfg, train.load_tokenizer(cfg), "train", 0, 1, 1, counting=True))
-time.sleep(3)  # counting
+time.sleep(1)  # counting
 print(counting._workers[0].pid, flush=True)
 os._exit(1)  # as a rank that dies during the load
 """
