@@ -41,9 +41,9 @@ def launch_to_model_line(train_py: Path, model_dir: Path, data: Path, rate: floa
             if line.startswith("model: "):
                 break
         built = time.monotonic() - t0
-        if counted is None:
-            sys.exit(f"{train_py} gave no data line:\n{''.join(seen[-20:])}")
         proc.kill(), proc.wait(), hub.close()
+    if counted is None:
+        sys.exit(f"{train_py} gave no data line:\n{''.join(seen[-20:])}")
     return counted, built, timing
 
 

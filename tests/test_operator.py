@@ -1,11 +1,13 @@
 """What an operator meets: one-line errors with exit status 2, counts that survive a rank without blocks, a run
 that trains nothing, a refused resume, damaged checkpoints, two runs on one output_dir."""
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -169,10 +171,8 @@ def test_the_counting_pass_counts_in_its_worker_while_the_process_does_other_wor
     monkeypatch.setattr(train, "print0", to_log)
     monkeypatch.setattr(train.CountedBlocks, "progress_every_s", -1)  # a line per block
     cfg = dataclasses.replace(cfg, num_workers=1)
-    counting, deadline = (
-        iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True)),
-        time.monotonic() + 60,
-    )
+    counting = iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True))
+    deadline = time.monotonic() + 60
     last = f"counting: {expected:,} blocks so far, rank 0 stream 0"
     while not (log.exists() and last in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -210,7 +210,11 @@ os._exit(1)  # as a rank that dies during the load
     deadline = time.monotonic() + 15
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not alive(worker), "the counting worker counts on without its rank"
+    try:
+        assert not alive(worker), "the counting worker counts on without its rank"
+    finally:  # a worker that counts on would take a core from the rest of the suite for minutes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp_path):
