@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import difflib
 import faulthandler
@@ -616,7 +617,7 @@ class PackedBlocks(IterableDataset):
 def block_loader(cfg: Config, tokenizer, part, rank, world_size, epochs, resume=None, report=True, counting=False):
     data = (CountedBlocks if counting else PackedBlocks)(cfg, tokenizer, part, rank, world_size, epochs, resume, report)
     # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
-    extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": leave_process_group}
+    extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": start_data_worker}
     pinned, workers = torch.cuda.is_available() and not counting, cfg.num_workers  # counting: no tensors, no pinning
     return DataLoader(data, batch_size=None, num_workers=workers, pin_memory=pinned, **(extra if workers else {}))
 
@@ -1363,10 +1364,8 @@ class CountedBlocks(PackedBlocks):  # the counting pass's stream: its blocks cou
 
     def __iter__(self):  # with no block to hand over, the worker counts on while its process loads the weights
         t0 = shown = time.monotonic()
-        sums, parent = Counter(blocks=0, tokens=0, loss_tokens=0), os.getppid()  # a worker's parent: the rank
+        sums = Counter(blocks=0, tokens=0, loss_tokens=0)  # on Linux the worker dies with its rank (PDEATHSIG)
         for item in super().__iter__():  # the blocks, then the stream's end (no block), with its records' counts
-            if os.getppid() != parent:  # the rank is gone (killed, or stopped on an error): its count is not wanted
-                return
             if "input_ids" in item:
                 sums.update(blocks=1, tokens=item["tokens"], loss_tokens=item["loss_tokens"])
                 if time.monotonic() - shown > self.progress_every_s:
@@ -2013,8 +2012,9 @@ def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save
         raise Interrupted("stopped by SIGTERM after the last step; its checkpoint, if any, is complete")
 
 
-def leave_process_group(worker_id: int) -> None:
-    os.setpgrp()  # a DataLoader worker leaves the process group torchrun signals: SIGTERM is the training process's
+def start_data_worker(worker_id: int) -> None:  # SIGTERM is for the rank; a worker dies with it, and its sockets
+    os.setpgrp()  # out of the process group torchrun signals
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL) if sys.platform == "linux" else None  # PR_SET_PDEATHSIG
 
 
 def finish_training(job: Job, why: str, operations: list[Operation]) -> None:

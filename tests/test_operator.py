@@ -182,9 +182,10 @@ def test_the_counting_pass_counts_in_its_worker_while_the_process_does_other_wor
     assert float(waited[1]) < 5  # the count was done: count_blocks took the stream's end alone
 
 
-def test_a_counting_worker_stops_when_its_rank_is_gone(tiny_model_dir, tmp_path):
-    """A counting worker hands nothing over until its stream ends, so it never meets the DataLoader's check on its
-    parent: it checks itself, and stops within a block of the rank's end (killed, or stopped on an error)."""
+def test_a_ranks_data_workers_die_with_it(tiny_model_dir, tmp_path):
+    """A data worker holds its rank's sockets, so the peers of a rank that died learn it only when those close. Left
+    alone, a counting worker counts on (it hands nothing over, so it never meets the DataLoader's check on its
+    parent), and a training worker waits for that check, every 5 s. Both must be gone at once."""
     data = tmp_path / "long.jsonl"
     data.write_text(SAMPLE.read_text() * 100)  # minutes to count here
     rank = f"""
@@ -192,14 +193,16 @@ import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 import train
 cfg = train.Config(model_name={str(tiny_model_dir)!r}, model_revision="", dataset_name={str(data)!r}, max_seq_len=512)
-counting = iter(train.block_loader(cfg, train.load_tokenizer(cfg), "train", 0, 1, 1, counting=True))
-time.sleep(1)  # counting
-print(counting._workers[0].pid, flush=True)
-os._exit(1)  # as a rank that dies during the load
+tokenizer = train.load_tokenizer(cfg)
+counting = iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1, counting=True))
+blocks = iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1))
+next(blocks)
+print(counting._workers[0].pid, blocks._workers[0].pid, flush=True)
+os._exit(1)  # as a rank that dies
 """
-    with open(tmp_path / "rank.out", "w") as out:  # not a pipe: the worker would hold it open
+    with open(tmp_path / "rank.out", "w") as out:  # not a pipe: the workers would hold it open
         subprocess.run([sys.executable, "-c", rank], stdout=out, timeout=120)
-    worker = int((tmp_path / "rank.out").read_text())
+    workers = [int(pid) for pid in (tmp_path / "rank.out").read_text().split()]
 
     def alive(pid: int) -> bool:  # a zombie (no one reaps an orphan in some containers) has stopped
         try:
@@ -207,14 +210,15 @@ os._exit(1)  # as a rank that dies during the load
         except FileNotFoundError:
             return False
 
-    deadline = time.monotonic() + 15
-    while alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    deadline = time.monotonic() + 1.5
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     try:
-        assert not alive(worker), "the counting worker counts on without its rank"
+        assert not any(map(alive, workers)), "a data worker outlives its rank (counting, training)"
     finally:  # a worker that counts on would take a core from the rest of the suite for minutes
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signal.SIGKILL)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_run_that_trains_no_step_fails_and_exports_nothing(tiny_model_dir, tmp_path):
