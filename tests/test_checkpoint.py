@@ -126,10 +126,10 @@ def straight(tiny_model_dir, tmp_path_factory):
     too, so the log window never straddles a checkpoint. Its data is a mixture: messages, and ShareGPT at weight 2."""
     tmp_path = tmp_path_factory.mktemp("straight")
     lines = open(SAMPLE).readlines()
-    (tmp_path / "messages.jsonl").write_text("".join(lines[:48]))
+    (tmp_path / "messages.jsonl").write_text("".join(lines[:16]))  # 52 records drawn from both: 13 steps
     roles = {"user": "human", "assistant": "gpt"}
     sharegpt = [
-        [{"from": roles[m["role"]], "value": m["content"]} for m in json.loads(x)["messages"]] for x in lines[48:64]
+        [{"from": roles[m["role"]], "value": m["content"]} for m in json.loads(x)["messages"]] for x in lines[16:22]
     ]
     (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in sharegpt))
     data = ({"name": str(tmp_path / "messages.jsonl")}, {"name": str(tmp_path / "sharegpt.jsonl"), "weight": 2})
