@@ -163,9 +163,8 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
         how = {"store": attempt_store(world_size) if launched else dist.HashStore()}  # a world of one needs no port
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
             how["device_id"] = device
-            traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}
-            for key, value in (NCCL_ON_TIMEOUT | traces).items():
-                os.environ.setdefault(key, value)  # a user's own setting wins
+            traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}  # a user's own settings win:
+            os.environ.update({k: v for k, v in (NCCL_ON_TIMEOUT | traces).items() if k not in os.environ})
             with contextlib.suppress(OSError):  # check_output_dir says it in one line
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
@@ -617,7 +616,7 @@ class PackedBlocks(IterableDataset):
 def block_loader(cfg: Config, tokenizer, part, rank, world_size, epochs, resume=None, report=True, counting=False):
     data = (CountedBlocks if counting else PackedBlocks)(cfg, tokenizer, part, rank, world_size, epochs, resume, report)
     # Workers pack while the GPU trains, each its own shard; the DataLoader takes from them in turn.
-    extra = {"prefetch_factor": 4, "persistent_workers": False, "worker_init_fn": start_data_worker}
+    extra = {"prefetch_factor": 4, "worker_init_fn": partial(start_data_worker, os.getpid())}
     pinned, workers = torch.cuda.is_available() and not counting, cfg.num_workers  # counting: no tensors, no pinning
     return DataLoader(data, batch_size=None, num_workers=workers, pin_memory=pinned, **(extra if workers else {}))
 
@@ -2012,9 +2011,10 @@ def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save
         raise Interrupted("stopped by SIGTERM after the last step; its checkpoint, if any, is complete")
 
 
-def start_data_worker(worker_id: int) -> None:  # SIGTERM is for the rank; a worker dies with it, and its sockets
-    os.setpgrp()  # out of the process group torchrun signals
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL) if sys.platform == "linux" else None  # PR_SET_PDEATHSIG
+def start_data_worker(rank_pid: int, worker_id: int) -> None:  # SIGTERM is for the rank; a worker dies with it
+    os.setpgrp()  # out of the process group torchrun signals; on Linux it dies with the rank, and its socket copies
+    if sys.platform == "linux" and ctypes.CDLL(None).prctl(1, signal.SIGKILL) == 0 and os.getppid() != rank_pid:
+        os._exit(0)  # the rank ended before the prctl: no signal would come
 
 
 def finish_training(job: Job, why: str, operations: list[Operation]) -> None:

@@ -216,7 +216,7 @@ os._exit(1)  # as a rank that dies
     try:
         assert not any(map(alive, workers)), "a data worker outlives its rank (counting, training)"
     finally:  # a worker that counts on would take a core from the rest of the suite for minutes
-        for pid in workers:
+        for pid in filter(alive, workers):  # a dead one's pid may be another process's by now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
