@@ -573,6 +573,17 @@ def ours_numbers(run: Path, launch: float) -> dict:
             fill=sum(r["non_padding_fraction"] for r, _ in timed) / len(timed),
             world=world,
         )
+        # A step over 5x the median is a one-time stall (e.g. Triton autotuning a block shape met for the first
+        # time): the rate without such steps is the steady state's (docs/BENCHMARKS.md, eleventh round).
+        median = sorted(dt for _, dt in timed)[len(timed) // 2]
+        if stalls := [(r, dt) for r, dt in timed if dt > 5 * median]:
+            steady = [(r, dt) for r, dt in timed if dt <= 5 * median]
+            seconds = sum(dt for _, dt in steady)
+            out.update(
+                stalls=[[r["step"], dt] for r, dt in stalls],
+                tok_s_gpu_without_stalls=sum(r["tokens_per_s_per_gpu"] * dt for r, dt in steady) / seconds,
+                loss_tok_s_gpu_without_stalls=sum(r["loss_tokens_per_s_per_gpu"] * dt for r, dt in steady) / seconds,
+            )
     return out
 
 
@@ -687,6 +698,14 @@ def cmd_summary(args) -> None:
             print(
                 f"ratio trl/{b}, {where}: tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens), "
                 f"{b}/trl x{1 / r['tok_s_gpu_ratio']:.2f}; peak GiB trl/{b.split()[0]} {peaks}"
+            )
+    for r in runs:
+        if r.get("stalls"):
+            steps = ", ".join(f"step {step} ({dt:.1f} s)" for step, dt in r["stalls"])
+            print(
+                f"stalls, {r['kind']} ({r['variant']}), {r['gpus']} GPU(s), {r['seq_len']} tokens: {steps}; without "
+                f"them {r['tok_s_gpu_without_stalls']:,.0f} tok/s/GPU, "
+                f"{r['loss_tok_s_gpu_without_stalls']:,.0f} loss tok/s"
             )
     for r in runs:
         for what in r.get("trl_limitations", []):
