@@ -2003,8 +2003,8 @@ def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # after a fault the launcher's SIGTERM would cut short the rank's report of it: it only sets STOP then
+        signal.signal(signal.SIGTERM, previous) if sys.exc_info()[0] is None else None
         late = STOP.is_set()
         STOP.clear()
     if late:  # during the final eval or save, after the last check: the export is left to the restart

@@ -259,6 +259,29 @@ def test_sigterm_saves_after_the_step_and_the_restart_is_bit_identical(tiny_mode
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_launchers_sigterm_after_a_fault_does_not_cut_the_ranks_report_short():
+    """A rank whose peer died fails in its next collective, and torchrun sends it SIGTERM at about the same time: the
+    SIGTERM must not end the process before train() has said what failed and what comes next. A clean end of
+    training gives SIGTERM back its default action."""
+    rank = f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import train
+with train.stop_on_sigterm():
+    pass
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+try:
+    with train.stop_on_sigterm():
+        raise RuntimeError("the peer is gone")
+except RuntimeError:
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, while the fault unwinds
+    time.sleep(0.2)
+    print("reported", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "reported\n", (proc.returncode, proc.stderr[-2000:])
+
+
 def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(tiny_model_dir, tmp_path):
     """`python train.py` without torchrun (a world of one) handles SIGTERM as the ranks do: it finishes the step,
     saves, says so in one line and exits with the status of a process killed by SIGTERM."""
