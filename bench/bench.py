@@ -536,6 +536,11 @@ def cmd_flops(args) -> None:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def rate(steps: list, key: str) -> float:
+    """A per-step rate over (record, seconds) steps, weighted by their seconds; a None (no MFU on CPU) counts 0."""
+    return sum((r[key] or 0) * dt for r, dt in steps) / sum(dt for _, dt in steps)
+
+
 def ours_numbers(run: Path, launch: float) -> dict:
     if not (run / "metrics.jsonl").exists():
         return {"error": "no metrics.jsonl (no step finished; see log)"}
@@ -561,13 +566,12 @@ def ours_numbers(run: Path, launch: float) -> dict:
     if m := re.search(r"sharded over \d+ ranks, \w+ weights, ready in ([\d.]+)s", log):
         out["model_build_s"] = float(m.group(1))
     if timed:
-        seconds = sum(dt for _, dt in timed)
         out.update(
             timed_steps=len(timed),
-            s_step=seconds / len(timed),
-            tok_s_gpu=sum(r["tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
-            loss_tok_s_gpu=sum(r["loss_tokens_per_s_per_gpu"] * dt for r, dt in timed) / seconds,
-            mfu_recipe=sum((r["mfu"] or 0) * dt for r, dt in timed) / seconds,
+            s_step=sum(dt for _, dt in timed) / len(timed),
+            tok_s_gpu=rate(timed, "tokens_per_s_per_gpu"),
+            loss_tok_s_gpu=rate(timed, "loss_tokens_per_s_per_gpu"),
+            mfu_recipe=rate(timed, "mfu"),
             # Over the timed steps: a pack buffer's last block is sparse, and a short window that meets one reads
             # tokens/s low (docs/BENCHMARKS.md, "Fourth round")
             fill=sum(r["non_padding_fraction"] for r, _ in timed) / len(timed),
@@ -578,11 +582,10 @@ def ours_numbers(run: Path, launch: float) -> dict:
         median = sorted(dt for _, dt in timed)[len(timed) // 2]
         if stalls := [(r, dt) for r, dt in timed if dt > 5 * median]:
             steady = [(r, dt) for r, dt in timed if dt <= 5 * median]
-            seconds = sum(dt for _, dt in steady)
             out.update(
                 stalls=[[r["step"], dt] for r, dt in stalls],
-                tok_s_gpu_without_stalls=sum(r["tokens_per_s_per_gpu"] * dt for r, dt in steady) / seconds,
-                loss_tok_s_gpu_without_stalls=sum(r["loss_tokens_per_s_per_gpu"] * dt for r, dt in steady) / seconds,
+                tok_s_gpu_without_stalls=rate(steady, "tokens_per_s_per_gpu"),
+                loss_tok_s_gpu_without_stalls=rate(steady, "loss_tokens_per_s_per_gpu"),
             )
     return out
 
