@@ -844,6 +844,7 @@ class Job:  # what a step, the loop and the operations work on
     progress: Progress
     filler: dict  # the block of a rank whose data has run out
     step_hook: object = None  # f(step, model, loss_sum, blocks) -> a new loss_sum or None, after each backward
+    host_moments: HostMoments | None = None  # AdamW's moments off the GPU but in its step: auto's call at long blocks
 
 
 @dataclasses.dataclass
@@ -900,6 +901,8 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
         return stats
     assert stats.loss_tokens > 0, "every block has loss tokens (tokenize_stream keeps only samples that do)"
     scale = d.world_size / stats.loss_tokens
+    if job.host_moments:
+        job.host_moments.to_host()
     loss_sum = run_blocks(job.model, blocks, stats.max_blocks, job.filler, cfg, d, scale)
     if job.step_hook:
         replaced = job.step_hook(progress.step + 1, job.model, loss_sum, blocks)
@@ -909,6 +912,8 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
     if finite:
+        if job.host_moments:
+            job.host_moments.to_device()
         optimizer.step()
         progress.bad_in_a_row = 0
     else:
@@ -1495,6 +1500,16 @@ def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each ten
     return fn(key, value) if isinstance(value, torch.Tensor) else value
 
 
+def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """An empty host tensor like this one, pinned in place if asked (PyTorch's pinned allocator rounds up to 2^n)."""
+    buffer = torch.empty(like.shape, dtype=like.dtype)
+    if pinned and buffer.nbytes:
+        cudart = torch.cuda.cudart()
+        cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
 class Checkpointer(Operation, AsyncStager):
     """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once complete.json is written."""
 
@@ -1570,14 +1585,8 @@ class Checkpointer(Operation, AsyncStager):
         self.preparing.start()
 
     def buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
-        """A tensor's host buffer, pinned in place on GPUs (PyTorch's pinned allocator rounds up to a power of 2)."""
         if (buffer := self.buffers.get(key)) is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype)
-            if self.job.d.device.type == "cuda" and buffer.nbytes:
-                cudart = torch.cuda.cudart()
-                cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
-                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-            self.buffers[key] = buffer
+            self.buffers[key] = buffer = host_buffer(like, self.job.d.device.type == "cuda")
         return buffer
 
     @torch.no_grad()
@@ -1636,6 +1645,7 @@ class RecomputeProbe(Operation):
 
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
+        job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
         self.kept, self.retries, self.clean_steps, self.watching = None, 0, 0, True
         # Measured inside transformers' _gradient_checkpointing_func: the recomputation too, FSDP's all-gathers not
@@ -1669,16 +1679,20 @@ class RecomputeProbe(Operation):
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+            moments, peak = sum(m.nbytes for m in job.host_moments.moments()), torch.cuda.max_memory_allocated()
+            if (room := self.room(peak + moments)) >= 0:
+                job.host_moments = None  # they fit beside step 1's peak: on the GPU, where its optimizer step left them
+            else:  # e.g. 256k tokens on one H200: 0.8 s each way for the 8-layer geometry's (docs/LONG_BLOCKS.md)
+                line = f"step 1 peaked at {peak / 2**30:.1f} GiB with every layer recomputed, {-room / 2**30:.1f} GiB"
+                line += f" short of room for AdamW's moments ({moments / 2**30:.1f} GiB): they leave the GPU for each"
+                print0(job.d.rank, f"activation_checkpointing auto: {line} forward and backward, to pinned host memory")
             torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
         elif self.kept is None:  # step 2: its peak is the baseline; the layers saving the most time per byte are kept
-            d, gib, n, (free, total) = job.d, 2**30, len(self.layers), torch.cuda.mem_get_info()
-            limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
-            usable, peak = min(free + torch.cuda.memory_reserved(), limit), torch.cuda.max_memory_allocated()
+            d, gib, n, peak = job.d, 2**30, len(self.layers), torch.cuda.max_memory_allocated()
             costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
-            # 10% of the memory left unplanned: fragmentation, and the peaks step 2 misses (NCCL's)
-            room = all_reduced(usable - 0.1 * limit - peak, d, dist.ReduceOp.MIN, torch.float64)
+            room, limit = self.room(peak), self.limit
             sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
-            self.kept = layers_to_keep(sizes, seconds, room.item())
+            self.kept = layers_to_keep(sizes, seconds, room)
             for i in self.kept:
                 self.layers[i].gradient_checkpointing = False
             self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
@@ -1688,6 +1702,12 @@ class RecomputeProbe(Operation):
             print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {limit / gib:.1f}")
         else:
             self.watching = not self.watch()
+
+    def room(self, peak: float) -> float:  # the memory a peak leaves on every rank, less 10% of the GPU's unplanned:
+        free, total = torch.cuda.mem_get_info()  # fragmentation, and the peaks a step's measure misses (NCCL's)
+        self.limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
+        usable = min(free + torch.cuda.memory_reserved(), self.limit)
+        return all_reduced(usable - 0.1 * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
 
     def watch(self) -> bool:
         retries = alloc_retries()  # after allocator retries, the kept layer saving the least per byte is recomputed
@@ -1700,6 +1720,34 @@ class RecomputeProbe(Operation):
             line += f" recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
             print0(self.job.d.rank, line)
         return self.clean_steps >= 10  # ten steps in a row without an allocator retry end the watch
+
+
+class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each forward and backward, back for the step
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.optimizer, self.pinned, self.buffers, self.on_host = optimizer, device.type == "cuda", [], False
+
+    def moments(self) -> list[torch.Tensor]:  # rank-local, each with a storage of its own: zeros_like(p) or a load's
+        moments = [state[k] for state in self.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        return [m.to_local() if isinstance(m, DTensor) else m for m in moments]
+
+    @torch.no_grad()
+    def to_host(self) -> None:  # copied into the same buffers every step, then their GPU memory freed
+        moments, self.on_host = [] if self.on_host else self.moments(), True
+        self.buffers = self.buffers or [host_buffer(m, self.pinned) for m in moments]
+        for moment, buffer in zip(moments, self.buffers):
+            assert moment.untyped_storage().nbytes() == moment.nbytes, "a moment shares its storage: it cannot move"
+            buffer.copy_(moment, non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()  # the copies end before the memory goes
+        for moment in moments:
+            moment.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def to_device(self) -> None:  # their memory given back, and filled in stream order before the step reads it
+        for moment, buffer in zip(self.moments() if self.on_host else [], self.buffers):
+            moment.untyped_storage().resize_(moment.nbytes)
+            moment.copy_(buffer, non_blocking=self.pinned)
+        self.on_host = False
 
 
 def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> list[int]:

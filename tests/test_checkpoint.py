@@ -524,6 +524,8 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     resumed = train.resume_progress(path, meta, cfg, world_of_one)
     train.resume_weights(path, meta, fresh, fresh_optimizer, fresh_scheduler, world_of_one)
     assert resumed == progress  # the data positions survive the round trip
+    moments = train.HostMoments(fresh_optimizer, world_of_one.device).moments()  # each may leave the device alone:
+    assert moments and all(m.untyped_storage().nbytes() == m.nbytes for m in moments)  # none shares its storage
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
     with pytest.raises(ValueError, match=r"other \['learning_rate'\]"):

@@ -392,3 +392,35 @@ def test_compiled_norms_and_mlp_equal_eager(models, examples, tokenizer, device)
     # The compiled kernels round bf16 intermediates at other points than eager: differences of the size of bf16 vs
     # fp32 (docs/BENCHMARKS.md has the measured spread), while a wrong fusion would be O(1).
     assert mean <= 1e-2 and worst <= 1e-1 and diff <= 0.05 * total
+
+
+def test_adamw_moments_in_pinned_host_memory_free_the_gpu_and_step_exactly_as_kept(device):
+    """HostMoments on CUDA: pinned buffers, copies in stream order. While away, the moments' GPU memory is free
+    (memory_allocated falls by their bytes); three fused-AdamW steps match the same steps with the moments kept."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    inputs = [torch.randn(64, 1024, device=device) for _ in range(3)]
+
+    def three_steps(away: bool):
+        model = copy.deepcopy(reference).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        moments, freed = train.HostMoments(optimizer, device) if away else None, []
+        for x in inputs:
+            if moments:
+                before = torch.cuda.memory_allocated()
+                moments.to_host()
+                freed.append(before - torch.cuda.memory_allocated())
+            model(x).square().mean().backward()
+            if moments:
+                moments.to_device()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state = [m.clone() for m in train.HostMoments(optimizer, device).moments()]
+        return [p.detach().clone() for p in model.parameters()] + state, freed
+
+    (kept, _), (away, freed) = three_steps(False), three_steps(True)
+    nbytes = 2 * sum(p.nbytes for p in reference.parameters())
+    assert freed == [0, nbytes, nbytes]  # step 1 had no moments yet
+    assert len(kept) == len(away) == 3 * len(list(reference.parameters()))  # weights and two moments each
+    assert all(a.equal(b) for a, b in zip(kept, away))
+    report("host_moments", moments_mib=nbytes / 2**20)

@@ -164,13 +164,17 @@ def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
         train.resolve_attention("flash_attention_2", torch.device("cpu"))
 
 
-def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("moments_fit", [True, False])
+def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
+    tiny_model_dir, monkeypatch, world_of_one, capsys, moments_fit
+):
     """The probe wraps transformers' checkpoint function (FSDP's and other module hooks run outside the checkpoint,
     so they never see the recomputation), and the measured step runs each recomputation to its end (PyTorch
     stops it early by default): every layer is measured twice, its output (the next layer's input) not counted,
-    and after the step the original checkpoint function is back and the next step runs as any other. (CUDA's
-    memory counter is faked here: each forward "allocates" 1 MB more than it returns; the real memory is
-    measured on the GPU, docs/BENCHMARKS.md.)"""
+    and after the step the original checkpoint function is back and the next step runs as any other. AdamW's
+    moments stay on the GPU if step 1's peak leaves room for them, by a byte either way. (CUDA's memory counters
+    are faked here: each forward "allocates" 1 MB more than it returns; the real memory is measured on the GPU,
+    docs/BENCHMARKS.md.)"""
     records, allocated = [], itertools.cycle([0, 2**20])
 
     class Event:
@@ -197,11 +201,18 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
         pass
 
     job = Job()
-    job.model = model
+    job.model, job.optimizer, job.d = model, torch.optim.AdamW(model.parameters()), world_of_one
     early_stop = torch.utils.checkpoint._enable_checkpoint_early_stop
     probe = train.RecomputeProbe(job)
     ids = torch.arange(3, 40)[None]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    job.optimizer.step()  # step 1's, which makes AdamW's moments
+    moments, total = 2 * sum(p.nbytes for p in model.parameters()), 2**40
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (total // 2, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: total // 2)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
+    peak = int(0.9 * total) - moments + (-1 if moments_fit else 1)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
     n = len(layers)
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
@@ -214,6 +225,9 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     assert [layer._gradient_checkpointing_func for layer in layers] == original
     assert probe.seconds == [1e-3] * n
     assert torch.utils.checkpoint._enable_checkpoint_early_stop == early_stop  # turned off only inside each layer
+    assert (job.host_moments is None) == moments_fit
+    moved = f"0.0 GiB short of room for AdamW's moments ({moments / 2**30:.1f} GiB): they leave the GPU for each"
+    assert (moved in capsys.readouterr().out) != moments_fit
 
 
 def test_auto_recompute_recomputes_a_kept_layer_again_after_each_step_with_allocator_retries(
@@ -228,7 +242,7 @@ def test_auto_recompute_recomputes_a_kept_layer_again_after_each_step_with_alloc
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = model.get_decoder().layers
     job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 2})()})()
-    job.d = world_of_one
+    job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
     probe = train.RecomputeProbe(job)
     probe.kept = [1, 0]  # as layers_to_keep ranks them: layer 1 saves the most per byte
     for layer in layers:
@@ -310,3 +324,43 @@ def test_recomputed_layers_inputs_on_the_host_give_the_same_losses_and_gradients
     for (losses, grads), (plain_losses, plain_grads) in zip(moved, plain):
         assert losses.equal(plain_losses) and grads.keys() == plain_grads.keys()
         assert all(grads[n].equal(plain_grads[n]) for n in grads)
+
+
+def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_model_dir, world_of_one):
+    """HostMoments, auto's choice when step 1 leaves no room for AdamW's moments: during each step's forward and
+    backward their memory is freed and their values wait in host buffers, reused step after step; the optimizer
+    step gets them back. Three steps, the second skipped for a non-finite gradient, give exactly the weights and
+    moments of the same steps with the moments left in place. (On CPU the copies are plain; CUDA's are pinned.)"""
+    cfg = train.Config(model_name=str(tiny_model_dir), param_dtype="float32", compile=False)
+    blocks = [train.make_block([(list(range(k, k + 37)), [i % 3 > 0 for i in range(37)])], 37, 0) for k in (5, 9, 50)]
+
+    def three_steps(away: bool):
+        model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+        train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+        optimizer, scheduler = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+        freed, buffers = [], []
+
+        def after_backward(step, model, loss_sum, blocks):
+            if job.host_moments:  # what the forward and backward ran beside: no moment in device memory
+                moments = job.host_moments.moments()
+                freed.append((len(moments), sum(m.untyped_storage().nbytes() for m in moments)))
+                buffers.append(list(job.host_moments.buffers))
+            if step == 2:
+                with torch.no_grad():
+                    next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
+
+        job = train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, train.Progress(), train.filler_block(0))
+        job.step_hook = after_backward
+        job.host_moments = train.HostMoments(optimizer, world_of_one.device) if away else None
+        stats = [train.train_step(job, [block]) for block in blocks]
+        moments = [m.clone() for m in train.HostMoments(optimizer, world_of_one.device).moments()]
+        weights = [p.full_tensor() for p in model.parameters()]
+        return [s.loss_sum is None for s in stats], weights, moments, freed, buffers
+
+    kept, away = three_steps(False), three_steps(True)
+    n = 2 * len(away[1])  # two moments per trained parameter
+    assert kept[0] == away[0] == [False, True, False]  # step 2 skipped in both
+    assert away[3] == [(0, 0), (n, 0), (n, 0)]  # step 1 had none yet; steps 2 and 3 ran with none on the device
+    assert len(away[4][1]) == n and all(a is b for a, b in zip(away[4][1], away[4][2]))  # the same buffers
+    assert all(m.abs().sum() > 0 for m in away[2]) and len(away[2]) == n
+    assert all(a.equal(b) for a, b in zip(kept[1] + kept[2], away[1] + away[2]))
