@@ -1724,29 +1724,34 @@ class RecomputeProbe(Operation):
 
 class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each forward and backward, back for the step
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.optimizer, self.pinned, self.buffers, self.on_host = optimizer, device.type == "cuda", [], False
+        self.optimizer, self.buffers, self.on_host = optimizer, [], False
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copies out, beside the forward
 
     def moments(self) -> list[torch.Tensor]:  # rank-local, each with a storage of its own: zeros_like(p) or a load's
         moments = [state[k] for state in self.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
         return [m.to_local() if isinstance(m, DTensor) else m for m in moments]
 
     @torch.no_grad()
-    def to_host(self) -> None:  # copied into the same buffers every step, then their GPU memory freed
-        moments, self.on_host = [] if self.on_host else self.moments(), True
-        self.buffers = self.buffers or [host_buffer(m, self.pinned) for m in moments]
+    def to_host(self) -> None:  # copied into the same buffers every step, beside the forward; their memory freed
+        moments, self.on_host, pinned = [] if self.on_host else self.moments(), True, self.stream is not None
+        self.buffers = self.buffers or [host_buffer(m, pinned) for m in moments]
+        if pinned:  # after the last optimizer step
+            self.stream.wait_stream(torch.cuda.current_stream())
         for moment, buffer in zip(moments, self.buffers):
             assert moment.untyped_storage().nbytes() == moment.nbytes, "a moment shares its storage: it cannot move"
-            buffer.copy_(moment, non_blocking=self.pinned)
-        if self.pinned:
-            torch.cuda.current_stream().synchronize()  # the copies end before the memory goes
-        for moment in moments:
+            with torch.cuda.stream(self.stream):  # None (CPU): a plain copy
+                buffer.copy_(moment, non_blocking=pinned)
+            if pinned:  # the allocator gives the memory to the forward only once the copy has read it
+                moment.record_stream(self.stream)
             moment.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def to_device(self) -> None:  # their memory given back, and filled in stream order before the step reads it
+        if self.stream and self.on_host:
+            torch.cuda.current_stream().wait_stream(self.stream)  # the copies out are done with the host buffers
         for moment, buffer in zip(self.moments() if self.on_host else [], self.buffers):
             moment.untyped_storage().resize_(moment.nbytes)
-            moment.copy_(buffer, non_blocking=self.pinned)
+            moment.copy_(buffer, non_blocking=self.stream is not None)
         self.on_host = False
 
 

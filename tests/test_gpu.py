@@ -395,11 +395,12 @@ def test_compiled_norms_and_mlp_equal_eager(models, examples, tokenizer, device)
 
 
 def test_adamw_moments_in_pinned_host_memory_free_the_gpu_and_step_exactly_as_kept(device):
-    """HostMoments on CUDA: pinned buffers, copies in stream order. While away, the moments' GPU memory is free
-    (memory_allocated falls by their bytes); three fused-AdamW steps match the same steps with the moments kept."""
+    """HostMoments on CUDA: pinned buffers, the copies out on a side stream. While away, the moments' GPU memory is
+    free (memory_allocated falls by their bytes) and what the forward allocates there (here: NaN-filled tensors of
+    the same sizes, at once) cannot reach the copies; three fused-AdamW steps match the same steps kept."""
     torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
-    inputs = [torch.randn(64, 1024, device=device) for _ in range(3)]
+    reference = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 2048))
+    inputs = [torch.randn(64, 2048, device=device) for _ in range(3)]
 
     def three_steps(away: bool):
         model = copy.deepcopy(reference).to(device)
@@ -410,6 +411,8 @@ def test_adamw_moments_in_pinned_host_memory_free_the_gpu_and_step_exactly_as_ke
                 before = torch.cuda.memory_allocated()
                 moments.to_host()
                 freed.append(before - torch.cuda.memory_allocated())
+                scratch = [torch.full(b.shape, float("nan"), device=device) for b in moments.buffers]
+                del scratch
             model(x).square().mean().backward()
             if moments:
                 moments.to_device()
