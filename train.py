@@ -1680,7 +1680,7 @@ class RecomputeProbe(Operation):
                 layer._gradient_checkpointing_func = checkpoint_func
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
             moments, peak = sum(m.nbytes for m in job.host_moments.moments()), torch.cuda.max_memory_allocated()
-            if (room := self.room(peak + moments)) >= 0:
+            if (room := self.room(peak + moments, unplanned=0)) >= 0:  # no step after step 1 needs more than it did
                 job.host_moments = None  # they fit beside step 1's peak: on the GPU, where its optimizer step left them
             else:  # e.g. 256k tokens on one H200: 0.8 s each way for the 8-layer geometry's (docs/LONG_BLOCKS.md)
                 line = f"step 1 peaked at {peak / 2**30:.1f} GiB with every layer recomputed, {-room / 2**30:.1f} GiB"
@@ -1703,11 +1703,11 @@ class RecomputeProbe(Operation):
         else:
             self.watching = not self.watch()
 
-    def room(self, peak: float) -> float:  # the memory a peak leaves on every rank, less 10% of the GPU's unplanned:
-        free, total = torch.cuda.mem_get_info()  # fragmentation, and the peaks a step's measure misses (NCCL's)
+    def room(self, peak: float, unplanned: float = 0.1) -> float:  # what a peak leaves on every rank, less a share
+        free, total = torch.cuda.mem_get_info()  # of the GPU's unplanned: fragmentation, peaks unmeasured (NCCL's)
         self.limit = torch.cuda.get_per_process_memory_fraction() * total  # a cap set on this process, if any
         usable = min(free + torch.cuda.memory_reserved(), self.limit)
-        return all_reduced(usable - 0.1 * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
+        return all_reduced(usable - unplanned * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
 
     def watch(self) -> bool:
         retries = alloc_retries()  # after allocator retries, the kept layer saving the least per byte is recomputed
