@@ -14,8 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
-from conftest import SAMPLE, TORCHRUN, WORKERS, worker_env  # noqa: E402
-from test_checkpoint import job  # noqa: E402
+from conftest import SAMPLE, TORCHRUN, WORKERS, job, worker_env  # noqa: E402
 
 
 def main() -> None:

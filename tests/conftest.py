@@ -4,6 +4,7 @@ PYTHONPATH."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "ultrachat_sample.jsonl"
@@ -117,3 +119,70 @@ def stream_blocks(cfg, tokenizer, progress, resume=None, n=None) -> list:
 
     loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
     return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
+
+
+def tensors(directory):
+    """Every tensor of a safetensors checkpoint directory, with its stored dtype."""
+    found = {}
+    for f in directory.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            found.update({k: st.get_tensor(k) for k in st.keys()})
+    return found
+
+
+def job(tmp_path, tiny_model_dir, name, data, log_every=1, **settings):
+    out = tmp_path / name
+    config = write_tiny_job(
+        tmp_path / f"{name}.yaml",
+        tiny_model_dir,
+        **({"datasets": list(data)} if isinstance(data, tuple) else {"dataset_name": str(data)}),
+        pack_buffer_blocks=4,
+        num_workers=2,
+        gradient_accumulation_steps=2,
+        param_dtype="float32",
+        learning_rate=3e-3,
+        warmup_steps=2,
+        log_every=log_every,
+        save_every=3,
+        keep_checkpoints=2,
+        output_dir=str(out),
+        **settings,
+    )
+    return [*TORCHRUN, "train.py", "--config", str(config)], out
+
+
+def kill_all(marker: str, sig=signal.SIGKILL) -> int:
+    """Sends sig to every process whose command line holds marker (torchrun and its workers, which it starts in
+    sessions of their own), as a preempted node would lose them all at once; signal 0 only counts them."""
+    killed = 0
+    for proc in os.listdir("/proc"):
+        try:
+            if proc.isdigit() and marker in open(f"/proc/{proc}/cmdline").read():
+                os.kill(int(proc), sig)
+                killed += 1
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return killed
+
+
+def losses_by_step(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}  # a re-run step keeps its last record
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory):
+    """The run the resume tests compare with: never interrupted. log_every 2, save_every 3: a checkpoint step logs
+    too, so the log window never straddles a checkpoint. Its data is a mixture: messages, and ShareGPT at weight 2."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    lines = open(SAMPLE).readlines()
+    (tmp_path / "messages.jsonl").write_text("".join(lines[:16]))  # 52 records drawn from both: 13 steps
+    roles = {"user": "human", "assistant": "gpt"}
+    sharegpt = [
+        [{"from": roles[m["role"]], "value": m["content"]} for m in json.loads(x)["messages"]] for x in lines[16:22]
+    ]
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in sharegpt))
+    data = ({"name": str(tmp_path / "messages.jsonl")}, {"name": str(tmp_path / "sharegpt.jsonl"), "weight": 2})
+    command, out = job(tmp_path, tiny_model_dir, "straight", data, log_every=2)
+    assert '"by_source": {' in run_ok(command)  # the counting pass's packing statistics
+    return data, out
