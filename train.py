@@ -148,13 +148,11 @@ NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE
 Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
 
 
-def setup_distributed(output_dir: str = "outputs") -> Dist:
-    """Joins torchrun's (or a notebook decorator's) process group; without one, a world of one (in-process store)."""
+def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's (or a notebook decorator's) group
     launched, env = "WORLD_SIZE" in os.environ, os.environ.get
     rank, local_rank, world_size = int(env("RANK", "0")), int(env("LOCAL_RANK", "0")), int(env("WORLD_SIZE", "1"))
-    # Expandable segments however it is launched (docs/BENCHMARKS.md: stalls without); a user's own setting wins.
-    if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    if not (env("PYTORCH_ALLOC_CONF") or env("PYTORCH_CUDA_ALLOC_CONF")):  # however launched; a user's own wins
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # docs/BENCHMARKS.md: stalls without
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -173,11 +171,10 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:
     return Dist(rank, world_size, device, owns_group)
 
 
-def attempt_store(world_size: int):
-    """torchrun's store (it outlives a restart) under this attempt's keys; None: rank 0 hosts a new one per attempt."""
+def attempt_store(world_size: int):  # torchrun's store (it outlives a restart) under this attempt's keys
     env = os.environ.get
     if env("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+        return None  # rank 0 hosts a new one per attempt
     if int(env("TORCHELASTIC_MAX_RESTARTS", "0")) and world_size > int(env("LOCAL_WORLD_SIZE", world_size)):
         fix = "--rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (as the workloads' torchrun)"
         raise UserError(f"torchrun --max-restarts over several nodes needs a new store per attempt: {fix}")
@@ -191,8 +188,7 @@ def print0(rank: int, *args, file=None) -> None:
 
 
 # ---- Data: read this rank's shard, render and mask each conversation, pack whole conversations into blocks -------
-def data_sources(cfg: Config, part: str) -> list[dict]:
-    """The sources of "train" or "eval" (eval_split's or eval_fraction's), each labelled by what it reads."""
+def data_sources(cfg: Config, part: str) -> list[dict]:  # of "train" or "eval", each labelled by what it reads
     one = {"name": cfg.dataset_name, "split": cfg.dataset_split, "revision": cfg.dataset_revision, "weight": 1}
     sources = [{"split": "train", "revision": "", "weight": 1, **source} for source in cfg.datasets] or [one]
     if part == "eval" and not cfg.eval_fraction:
@@ -204,8 +200,7 @@ def data_sources(cfg: Config, part: str) -> list[dict]:
 
 
 def source_records(source: dict):  # (index, record) of a pass over it; a JSON line stays bytes until it is taken
-    path = Path(source["name"])
-    if path.suffix == ".jsonl":
+    if (path := Path(source["name"])).suffix == ".jsonl":
         with open(path, "rb") as f:
             yield from ((index, line) for index, line in enumerate(f) if line.strip())  # blank lines are no records
         return
@@ -252,8 +247,7 @@ class Skip(Exception):
     """A record that cannot be trained on; its message, the reason, is counted."""
 
 
-def record_form(record, cfg: Config) -> str:
-    """data_format, or with auto the first form the keys fit: messages (or conversations), prompt_completion, text."""
+def record_form(record, cfg: Config) -> str:  # data_format, or with auto the first form the keys fit
     keys = {k for k, v in record.items() if v is not None} if isinstance(record, dict) else set()  # Parquet's nulls
     fits = {"messages": bool({cfg.messages_column, "conversations"} & keys)}
     fits |= {"prompt_completion": {"prompt", "completion"} <= keys, "text": "text" in keys}
@@ -545,13 +539,11 @@ class StreamPosition:  # where a block sits in its stream: a resume packs its bu
     carried: tuple = ()  # (record, sample) of the samples it began with: the last buffer's emptiest block
 
 
-class PackedBlocks(IterableDataset):
-    """This rank's blocks, `epochs` passes over its shard (slot s of rank r: r * workers + s); resume: a Progress."""
-
+class PackedBlocks(IterableDataset):  # `epochs` passes over this rank's shard (slot s of rank r reads r * workers + s)
     def __init__(self, cfg: Config, tokenizer, part: str, rank, world_size, epochs, resume=None, report=True):
         self.cfg, self.tok, self.part, self.report = cfg, tokenizer, part, report  # report: read_records'
         self.rank, self.world_size, self.epochs = rank, world_size, epochs
-        self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)
+        self.streams, self.next_slot = (dict(resume.streams), resume.next_slot) if resume else ({}, 0)  # a Progress's
 
     def __iter__(self):
         cfg, worker = self.cfg, get_worker_info()
@@ -564,8 +556,7 @@ class PackedBlocks(IterableDataset):
         for epoch in range(at.epoch, self.epochs):
             first, n_buffer, skip = (at.record, at.buffer, at.taken) if epoch == at.epoch else (0, 0, 0)
             carried = tuple(at.carried) if epoch == at.epoch else ()
-            # The counts are of the data, not of the passes over it: a later epoch re-reads the same records.
-            tally = counts if epoch == 0 else Counter()
+            tally = counts if epoch == 0 else Counter()  # of the data, not the passes: later epochs re-read the records
             records = read_records(cfg, self.part, shard, num_shards, first, tally, epoch, self.report and epoch == 0)
             buffer, names = self.read_again(carried, masker, shard, num_shards, epoch), list(carried)
             buffered, start_counts = sum(len(ids) for ids, _ in buffer), dict(counts)
@@ -635,8 +626,7 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     """transformers attention over PyTorch's varlen flash kernel: [1, H, T, D] in, [1, T, H, D] out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
-    if dropout or unsupported:
+    if (unsupported := [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]) or dropout:
         raise NotImplementedError(f"torch_varlen does not do {unsupported or 'dropout'}: use flash_attention_2")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
@@ -706,8 +696,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     return model
 
 
-def compile_elementwise(layers) -> None:
-    """torch.compile the layers' norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager."""
+def compile_elementwise(layers) -> None:  # norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     kinds = ("RMSNorm", "RMSNormGated", "MLP")
     for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith(kinds)):
@@ -788,8 +777,7 @@ class HeadLoss(torch.autograd.Function):
 
 
 # ---- Optimizer and schedule --------------------------------------------------------------------------------------
-def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
-    """Linear warmup to learning_rate over warmup_steps, then cosine or linear decay to min_lr_ratio."""
+def lr_factor(step: int, cfg: Config, total_steps: int) -> float:  # warmup, then cosine or linear decay to min_lr_ratio
     if step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.lr_schedule == "constant":
@@ -799,11 +787,10 @@ def lr_factor(step: int, cfg: Config, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):
-    """AdamW with warmup and decay; no weight decay on vectors (norms, biases, A_log, dt_bias) or the embeddings."""
+def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):  # AdamW with warmup and decay
     trained, embedding = [p for p in model.parameters() if p.requires_grad], model.get_input_embeddings().weight
     decay = [p for p in trained if p.ndim >= 2 and p is not embedding]
-    no_decay = [p for p in trained if p.ndim < 2 or p is embedding]
+    no_decay = [p for p in trained if p.ndim < 2 or p is embedding]  # norms, biases, A_log, dt_bias, embeddings
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas, fused = (cfg.adam_beta1, cfg.adam_beta2), d.device.type == "cuda"
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, fused=fused)
@@ -820,8 +807,7 @@ class Progress:  # this rank's resumable state, saved with every checkpoint: the
     bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
     bad_in_a_row: int = 0
 
-    def blocks_of(self, items, num_workers: int):
-        """The blocks among a loader's items, each item recorded as taken (a stream's end, which has no block, too)."""
+    def blocks_of(self, items, num_workers: int):  # each item recorded as taken (a stream's end, without a block, too)
         for item in items:
             self.streams[item["position"].slot] = item["position"]
             self.next_slot = (item["position"].slot + 1) % max(1, num_workers)
@@ -867,8 +853,7 @@ def all_reduced(values, d: Dist, op=dist.ReduceOp.SUM, dtype=None) -> torch.Tens
     return tensor
 
 
-def global_counts(blocks: list[dict], d: Dist) -> StepStats:
-    """The step's counts over all ranks: the loss normaliser must be known before the first backward."""
+def global_counts(blocks: list[dict], d: Dist) -> StepStats:  # the loss normaliser, known before the first backward
     rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in ("loss_tokens", "tokens", "sum_sq_len"))] for b in blocks]
     local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
     max_blocks = all_reduced(local[:1].clone(), d, dist.ReduceOp.MAX)
@@ -910,8 +895,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
-    if finite:
+    if finite := math.isfinite(grad_norm.item()):  # .item() is a sync point, once a step
         if job.host_moments:
             job.host_moments.to_device()
         optimizer.step()
@@ -1038,8 +1022,7 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(code)  # no teardown: gloo's group outlives destroy_process_group, and its threads can abort it (SIGABRT)
 
 
-# ==== PART II: OPERATIONS =========================================================================================
-# A reader of the recipe may stop here: what follows parses, checks, counts, saves, probes, logs, guards and exports.
+# ==== PART II: OPERATIONS (a reader of the recipe may stop here) ==================================================
 # ---- Parsing and the resume policy -------------------------------------------------------------------------------
 # Each setting's allowed values, lower bound or range (a test, and what the value must be); check_settings has the rest.
 CHOICES = dict(init=("pretrained", "random"), reasoning=("train", "drop"), lr_schedule=("cosine", "linear", "constant"))
@@ -1054,13 +1037,12 @@ RANGES |= dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda v: 0 <= v < 1, "in
 RANGES |= dict(learning_rate=(lambda v: 0 < v < math.inf, "> 0 and finite"), max_grad_norm=(lambda v: v > 0, "> 0"))
 
 
-def typed(field: dataclasses.Field, value, source: str):
-    """value as the field's type (YAML reads 1e-5 as a string, 0.75 as a float), or an error naming key and source."""
+def typed(field: dataclasses.Field, value, source: str):  # value as the field's type, or an error naming key and source
     want = type(field.default)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError):  # YAML reads 1e-5 as a string
             value = float(value)
     value = tuple(value) if want is tuple and isinstance(value, list) else value  # YAML's lists: datasets
     if type(value) is not want:
@@ -1068,8 +1050,7 @@ def typed(field: dataclasses.Field, value, source: str):
     return value
 
 
-def check_settings(cfg: Config) -> None:
-    """Each value in its range (CHOICES, LOWEST, RANGES and the rest here); eval data apart from the training's."""
+def check_settings(cfg: Config) -> None:  # each value in its range (CHOICES, LOWEST, RANGES and the rest here)
     for key, value in dataclasses.asdict(cfg).items():
         need = None
         if key in CHOICES and value not in CHOICES[key]:
@@ -1102,8 +1083,7 @@ def check_settings(cfg: Config) -> None:
         raise UserError(f"bad configuration: eval_split {cfg.eval_split!r} is the training data: {fix}")
 
 
-def load_config(*sources: tuple[str, dict]) -> Config:
-    """Config from defaults and each (source, overrides), later wins; unknown keys and wrong types are named."""
+def load_config(*sources: tuple[str, dict]) -> Config:  # later sources win; unknown keys and wrong types are named
     fields, values = {f.name: f for f in dataclasses.fields(Config)}, {}
     for source, overrides in sources:
         for key, value in overrides.items():
@@ -1160,17 +1140,15 @@ def fixed_on_resume(saved: dict, cfg: Config) -> dict:
 
 
 # ---- Startup checks (what can fail without the weights fails first, on every rank alike), the counting pass ------
-def exit_with_launcher(launcher: int) -> None:
-    """Run in a thread: torchrun's workers have sessions of their own, so killed alone it would leave them training."""
-    while os.getppid() == launcher:
+def exit_with_launcher(launcher: int) -> None:  # in a thread: torchrun, killed alone, would leave its workers training
+    while os.getppid() == launcher:  # they have sessions of their own
         time.sleep(1)
     with contextlib.suppress(OSError):  # the output may have been a pipe to the launcher's reader, gone with it
         print(f"rank {os.environ.get('RANK')}: the launcher (pid {launcher}) is gone: exiting", flush=True)
     os._exit(1)
 
 
-def on_every_rank(check, d: Dist):
-    """check() on every rank; a UserError on any rank is raised on all, naming it: no rank waits in a collective."""
+def on_every_rank(check, d: Dist):  # a UserError on any rank is raised on all, naming it: no rank waits in a collective
     try:
         result, error = check(), None
     except UserError as e:
@@ -1182,8 +1160,7 @@ def on_every_rank(check, d: Dist):
     return result
 
 
-def decided_by_rank_0(decide, failure: str, d: Dist):
-    """decide() on rank 0, for all: ranks must not branch on their own views of a file system."""
+def decided_by_rank_0(decide, failure: str, d: Dist):  # ranks must not branch on their own views of a file system
     outcome = [None, None]  # (result, error)
     if d.rank == 0:
         try:
@@ -1196,8 +1173,7 @@ def decided_by_rank_0(decide, failure: str, d: Dist):
     return outcome[0]
 
 
-def check_output_dir(cfg: Config, d: Dist) -> Path:
-    """Every rank writes its shards to output_dir: check that each can, before anything loads."""
+def check_output_dir(cfg: Config, d: Dist) -> Path:  # each rank writes its shards there: checked before anything loads
     out, probe = Path(cfg.output_dir), Path(cfg.output_dir) / f".write-test-rank{d.rank}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1209,8 +1185,7 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:
     return out
 
 
-def check_tracking_store() -> None:
-    """MetricsLog's MLflow store, tried before anything loads: one it cannot use would stop the run after the load."""
+def check_tracking_store() -> None:  # tried first: a store MetricsLog cannot use would stop the run after the load
     if not ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
         return
     import mlflow
@@ -1229,13 +1204,11 @@ def check_tracking_store() -> None:
         raise UserError(f"MLflow tracking store {uri} cannot be used ({problem}): {fix}") from e
 
 
-def startup_checks(cfg: Config, d: Dist):
-    """What can fail without the weights fails first: (attention, model config, tokenizer)."""
+def startup_checks(cfg: Config, d: Dist):  # (attention, model config, tokenizer), checked before the weights load
     attn = resolve_attention(cfg.attn_implementation, d.device)
     config = model_config(cfg.model_name, cfg.model_revision, cfg.trust_remote_code)
     require_kernels(config)
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)  # the block within the model's positions
-    if limit and cfg.max_seq_len > limit:
+    if (limit := getattr(config.get_text_config(), "max_position_embeddings", None)) and cfg.max_seq_len > limit:
         raise UserError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings {limit}")
     if cfg.float8 and (d.device.type != "cuda" or torch.cuda.get_device_capability(d.device) < (8, 9)):
         raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
@@ -1250,9 +1223,8 @@ def startup_checks(cfg: Config, d: Dist):
 
 
 def resolve_attention(requested: str, device: torch.device) -> str:
-    """auto: flash-attn if installed, else on CUDA torch_varlen, else sdpa (its mask from position_ids)."""
     has_flash_attn = importlib.util.find_spec("flash_attn") is not None
-    if requested == "auto":
+    if requested == "auto":  # flash-attn if installed, else torch_varlen on CUDA, else sdpa (mask from position_ids)
         requested = "flash_attention_2" if has_flash_attn else "torch_varlen" if device.type == "cuda" else "sdpa"
     if requested == "flash_attention_2" and not has_flash_attn:
         fix = "pip install flash-attn --no-build-isolation, or use torch_varlen (CUDA) / sdpa"
@@ -1266,8 +1238,7 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     return requested
 
 
-def require_kernels(config) -> None:
-    """Hybrids need the kernels: without, transformers refuses packed signals or leaks state across them."""
+def require_kernels(config) -> None:  # without them transformers refuses packed signals or leaks state across them
     if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
         return
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
@@ -1330,14 +1301,13 @@ def from_hub(load, name: str):  # a hub load; a gated or private repo without a 
 
 
 def pretrained_dir(cfg: Config) -> Path:
-    path = Path(cfg.model_name)  # or its hub snapshot (one download per node: the hub locks files); safetensors only
-    if not path.is_dir():
+    if not (path := Path(cfg.model_name)).is_dir():  # else its hub snapshot, downloaded once per node (hub file locks)
         files = ["*.json", "*.jinja", "*.txt", "*.model"] + (["*.safetensors"] if cfg.init == "pretrained" else [])
         from huggingface_hub import snapshot_download
 
         download = partial(snapshot_download, cfg.model_name, revision=cfg.model_revision or None, allow_patterns=files)
         path = Path(from_hub(download, cfg.model_name))
-    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):
+    if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):  # safetensors only
         fix = "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
         raise UserError(f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format {fix}")
     return path
@@ -1399,9 +1369,8 @@ def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exa
     return max(blocks_per_rank), stats
 
 
-def check_skips(skipped: int, records: int, reasons, cfg: Config) -> None:
-    """Counts over all ranks, so every rank decides alike; reasons() gives theirs (it may be a collective)."""
-    if records and skipped / records > cfg.max_skip_fraction:
+def check_skips(skipped: int, records: int, reasons, cfg: Config) -> None:  # reasons(): theirs, maybe a collective
+    if records and skipped / records > cfg.max_skip_fraction:  # counts over all ranks: every rank decides alike
         limit, fix = f"more than max_skip_fraction {cfg.max_skip_fraction}", "Fix the data, or raise max_skip_fraction"
         raise UserError(f"{skipped} of {records} records cannot be trained on ({limit}): {reasons()}. {fix}")
 
@@ -1413,8 +1382,7 @@ def gathered(counts: Counter, d: Dist) -> Counter:  # the sum of every rank's
 
 
 # ---- Checkpoints and resume --------------------------------------------------------------------------------------
-def complete_checkpoints(cfg: Config) -> list[Path]:
-    """The checkpoints every rank finished, oldest first: rank 0 writes complete.json last, after a barrier."""
+def complete_checkpoints(cfg: Config) -> list[Path]:  # finished by every rank: complete.json is written last
     return sorted(p for p in (Path(cfg.output_dir) / "checkpoints").glob("step_*") if (p / "complete.json").exists())
 
 
@@ -1443,10 +1411,8 @@ def checkpoint_problem(path: Path) -> str | None:  # what is wrong with it by co
         return f"{type(e).__name__}: {e}"
 
 
-def resume_point(cfg: Config, d: Dist) -> Path | None:
-    """The newest complete checkpoint without a problem; one with a problem is set aside. Rank 0 decides."""
-
-    def newest_intact() -> Path | None:
+def resume_point(cfg: Config, d: Dist) -> Path | None:  # the newest complete checkpoint without a problem
+    def newest_intact() -> Path | None:  # rank 0's: each newer one with a problem is set aside
         candidates = complete_checkpoints(cfg)
         for path in reversed(candidates):
             if not (problem := checkpoint_problem(path)):
@@ -1460,8 +1426,7 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:
     return decided_by_rank_0(newest_intact, f"cannot read the checkpoints in {cfg.output_dir}", d)
 
 
-def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
-    """This rank's Progress and RNG states, once cfg may resume the checkpoint; needs no model."""
+def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:  # sets the RNG states; needs no model
     if (ranks := meta["world_size"]) != d.world_size:
         raise UserError(f"{path} was written by {ranks} ranks; resume with as many, or use another output_dir")
     if fixed := fixed_on_resume(meta["config"], cfg):
@@ -1483,13 +1448,12 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:
 
 
 def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist) -> None:
-    t0 = time.perf_counter()
+    t0, step = time.perf_counter(), f"step {meta['step']} of {meta['total_steps']}"
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     scheduler.load_state_dict(meta["scheduler"])
-    step, seconds = f"step {meta['step']} of {meta['total_steps']}", time.perf_counter() - t0
-    print0(d.rank, f"resumed from {path} ({step}) in {seconds:.1f}s")
+    print0(d.rank, f"resumed from {path} ({step}) in {time.perf_counter() - t0:.1f}s")
 
 
 def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each tensor as fn(its key path, the tensor)
@@ -1501,18 +1465,15 @@ def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each ten
 
 
 def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """An empty host tensor like this one, pinned in place if asked (PyTorch's pinned allocator rounds up to 2^n)."""
     buffer = torch.empty(like.shape, dtype=like.dtype)
-    if pinned and buffer.nbytes:
+    if pinned and buffer.nbytes:  # in place: PyTorch's pinned allocator rounds up to 2^n
         cudart = torch.cuda.cudart()
         cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
 
 
-class Checkpointer(Operation, AsyncStager):
-    """Sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG), complete once complete.json is written."""
-
+class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG)
     _synchronize_after_execute = False  # as DCP's stager: stage() returns the copy complete
 
     def __init__(self, job: Job, log: MetricsLog | None = None):
@@ -1590,8 +1551,7 @@ class Checkpointer(Operation, AsyncStager):
         return buffer
 
     @torch.no_grad()
-    def stage(self, state: dict) -> dict:
-        """The state copied into its host buffers, DTensors over a CPU mesh (docs/CHECKPOINTS.md: why not DCP's)."""
+    def stage(self, state: dict) -> dict:  # host copies, DTensors over a CPU mesh (docs/CHECKPOINTS.md: why not DCP's)
         if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them
             self.preparing.join()
             self.preparing = None
@@ -1620,9 +1580,8 @@ class Checkpointer(Operation, AsyncStager):
         dist.barrier(self.group)  # every rank has written its part
         self.pending = None
         if self.job.d.rank == 0:
-            files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
-            # What a resume verifies cheaply: every file's size, and the hash of each small one (.metadata, ranks').
-            small = {name: sha256(path / name) for name, size in files.items() if size < 2**26}
+            files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}  # what a resume verifies cheaply
+            small = {name: sha256(path / name) for name, size in files.items() if size < 2**26}  # .metadata, ranks'
             meta.update(files=files, sha256=small, bytes=sum(files.values()), seconds=time.perf_counter() - t0)
             (path / "complete.json.tmp").write_text(json.dumps(meta, indent=1))
             os.replace(path / "complete.json.tmp", path / "complete.json")
@@ -1640,17 +1599,14 @@ def recompute_is_measured(cfg, device: torch.device) -> bool:
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
-class RecomputeProbe(Operation):
-    """activation_checkpointing auto (README, "Model"): step 1 measures each layer, step 2 keeps what memory allows."""
-
+class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer, step 2 keeps what memory allows
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
         self.kept, self.retries, self.clean_steps, self.watching = None, 0, 0, True
-        # Measured inside transformers' _gradient_checkpointing_func: the recomputation too, FSDP's all-gathers not
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):  # measured inside them: the recomputation too, FSDP's all-gathers not
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
 
     def checkpoint(self, i: int, checkpoint_func, forward, *args):
@@ -1670,9 +1626,8 @@ class RecomputeProbe(Operation):
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return checkpoint_func(measured, *args)
 
-    def after_step(self, job: Job, stats: StepStats) -> None:
-        """Step 1 measures, step 2 decides, then it watches; only steps that stepped the optimizer count."""
-        if stats.loss_sum is None or not self.watching:
+    def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, step 2 decides, then it watches
+        if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
             torch.cuda.synchronize()
@@ -1690,16 +1645,15 @@ class RecomputeProbe(Operation):
         elif self.kept is None:  # step 2: its peak is the baseline; the layers saving the most time per byte are kept
             d, gib, n, peak = job.d, 2**30, len(self.layers), torch.cuda.max_memory_allocated()
             costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
-            room, limit = self.room(peak), self.limit
             sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
-            self.kept = layers_to_keep(sizes, seconds, room)
+            self.kept = layers_to_keep(sizes, seconds, self.room(peak))
             for i in self.kept:
                 self.layers[i].gradient_checkpointing = False
             self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
             each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
             line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
             line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
-            print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {limit / gib:.1f}")
+            print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {self.limit / gib:.1f}")
         else:
             self.watching = not self.watch()
 
@@ -1777,8 +1731,7 @@ def matmul_params(model) -> int:  # the parameters costing 2 FLOPs per token for
     return sum(map(torch.numel, model.get_decoder().layers.parameters())) + model.get_output_embeddings().weight.numel()
 
 
-def attention_flops_per_sq_token(model) -> int:
-    """Training FLOPs per squared segment length of the attention layers (Gated DeltaNet's < 0.5%: left out)."""
+def attention_flops_per_sq_token(model) -> int:  # FLOPs per squared segment length (Gated DeltaNet's < 0.5%: left out)
     text = model.config.get_text_config()
     kinds = getattr(text, "layer_types", None) or ["full"] * text.num_hidden_layers
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -1789,9 +1742,7 @@ def rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak; KiB on Linux
 
 
-class MetricsLog(Operation, contextlib.AbstractContextManager):
-    """Rank 0's line per log_every steps over all ranks, to metrics.jsonl and MLflow too (as a context: its end)."""
-
+class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line per log_every steps over all ranks
     def __init__(self, cfg: Config, d: Dist, model, packing: dict | None = None):
         self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
         if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
@@ -1810,7 +1761,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
         if packing:
             self.write({"step": 0, "packing": packing})
 
-    def __exit__(self, kind, error, traceback) -> None:
+    def __exit__(self, kind, error, traceback) -> None:  # as a context, it ends the MLflow run
         if self.mlflow:  # a job's run must not read as a success when it failed
             status = "FINISHED" if kind is None else "KILLED" if issubclass(kind, Interrupted) else "FAILED"
             self.mlflow.end_run(status=status)
@@ -1866,25 +1817,22 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.mlflow:
-            flat = {}
-            for key, value in record.items():
-                for name, v in value.items() if isinstance(value, dict) else [("", value)]:
-                    if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
-                        flat[f"{key}/{name}" if name else key] = v
+        if self.mlflow:  # the numbers, a dict's as key/name
+            flat = {k: v for k, v in record.items() if k not in ("step", "total_steps", "time")}
+            flat |= {f"{k}/{name}": v for k, sub in flat.items() if isinstance(sub, dict) for name, v in sub.items()}
+            flat = {k: v for k, v in flat.items() if isinstance(v, (int, float))}
             try:  # a tracking-server hiccup must not end a week-long run
                 self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:
                 print(f"warning: MLflow log_metrics failed ({e}); metrics.jsonl has the record", flush=True)
 
     def summary(self, job: Job) -> None:  # the run's last line: steps, final loss, the data seen on all ranks
-        progress = job.progress
-        counts = gathered(progress.stream_counts() + Counter(blocks=progress.blocks), self.d)
+        counts = gathered(job.progress.stream_counts() + Counter(blocks=job.progress.blocks), self.d)
         data = {k: v for k, v in counts.items() if isinstance(k, str)}
         data |= {"by_source": sources} if (sources := by_source(counts, self.cfg)) else {}
         trained = f"final loss {self.last_loss}" if self.last_loss is not None else "none in this run"
-        print0(self.d.rank, f"done: {progress.step} steps, {trained}, data seen {data}")
-        self.write({"step": progress.step, "data_seen": data})
+        print0(self.d.rank, f"done: {job.progress.step} steps, {trained}, data seen {data}")
+        self.write({"step": job.progress.step, "data_seen": data})
 
 
 class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per rank) every eval_every steps, at the end
@@ -1918,15 +1866,13 @@ class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per ra
         self.log.write({"step": step, "eval_loss": self.last_loss})
 
 
-class HangWatch(Operation, contextlib.AbstractContextManager):
-    """After the first step a collective waits collective_timeout_s; a waiting rank names the silent ones (beats)."""
-
+class HangWatch(Operation, contextlib.AbstractContextManager):  # a waiting rank names the silent ones (beats)
     def __init__(self, job: Job):
         self.job, self.done, self.last, self.said = job, threading.Event(), None, False  # last: this rank's last step
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         started, self.last, self.said = self.last is not None, time.monotonic(), False
-        if not started:
+        if not started:  # from the first step's end a collective waits collective_timeout_s
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))
             threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
 
@@ -1985,8 +1931,7 @@ def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
 
 
 # ---- The run lock, SIGTERM, the end of training, and the Hugging Face export ---------------------------------------
-# output_dir/run.lock, held by rank 0, refreshed every 30 s: a second run refuses; a dead one's is taken over.
-class RunLock(contextlib.AbstractContextManager):
+class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refuses; a dead one's is taken over
     def __init__(self, out: Path, d: Dist):
         self.path, self.d, self.released = out / "run.lock", d, threading.Event()
         started = time.strftime("%Y-%m-%d %H:%M:%S")  # run: this run's id, whatever pid a restarted container gets
@@ -2070,8 +2015,7 @@ def start_data_worker(rank_pid: int, worker_id: int) -> None:  # SIGTERM is for 
         os._exit(0)  # the rank ended before the prctl: no signal would come
 
 
-def finish_training(job: Job, why: str, operations: list[Operation]) -> None:
-    """After the loop: each operation's at_end, then the ends that are errors: no step, SIGTERM, a diverged run."""
+def finish_training(job: Job, why: str, operations: list[Operation]) -> None:  # after the loop; some ends are errors
     cfg, d, step = job.cfg, job.d, job.progress.step
     if why == "stopped":
         print0(d.rank, f"SIGTERM: stopping after step {step}, once its checkpoint is written")
@@ -2097,8 +2041,7 @@ TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.jso
 chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spiece.model tekken.json""".split()
 
 
-def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
-    """eos_token_id gains the template's end-of-turn token: generate() stops where the model learned to."""
+def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:  # eos_token_id gains the end-of-turn token
     from transformers import GenerationConfig
 
     saved = (out / "generation_config.json").exists()
@@ -2109,16 +2052,15 @@ def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:
         ids, mask = AssistantMasker(tokenizer)(turn)
         eos.add(ids[max(i for i, m in enumerate(mask) if m)])
     config.eos_token_id = sorted((eos | {tokenizer.eos_token_id}) - {None})
-    config.save_pretrained(out)
+    config.save_pretrained(out)  # generate() then stops where the model learned to
 
 
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
     """output_dir/model: the Hugging Face checkpoint in the source's dtypes, files and configs; its tokenizer ours."""
-    t0, out = time.perf_counter(), Path(cfg.output_dir) / "model"
+    t0, out, index_file = time.perf_counter(), Path(cfg.output_dir) / "model", source / "model.safetensors.index.json"
     if d.rank == 0 and out.exists():
         shutil.rmtree(out)
     dist.barrier()
-    index_file = source / "model.safetensors.index.json"
     source_files = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else {}
     file_number = {name: n for n, name in enumerate(sorted(set(source_files.values())), 1)}
     state = {k: v.to(source_dtypes[k]) for k, v in model.state_dict().items() if k in source_dtypes}
