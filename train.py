@@ -626,7 +626,8 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     """transformers attention over PyTorch's varlen flash kernel: [1, H, T, D] in, [1, T, H, D] out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if (unsupported := [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]) or dropout:
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if dropout or unsupported:
         raise NotImplementedError(f"torch_varlen does not do {unsupported or 'dropout'}: use flash_attention_2")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
@@ -895,7 +896,8 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    if finite := math.isfinite(grad_norm.item()):  # .item() is a sync point, once a step
+    finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
+    if finite:
         if job.host_moments:
             job.host_moments.to_device()
         optimizer.step()
@@ -1817,10 +1819,12 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.mlflow:  # the numbers, a dict's as key/name
-            flat = {k: v for k, v in record.items() if k not in ("step", "total_steps", "time")}
-            flat |= {f"{k}/{name}": v for k, sub in flat.items() if isinstance(sub, dict) for name, v in sub.items()}
-            flat = {k: v for k, v in flat.items() if isinstance(v, (int, float))}
+        if self.mlflow:
+            flat = {}
+            for key, value in record.items():
+                for name, v in value.items() if isinstance(value, dict) else [("", value)]:
+                    if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
+                        flat[f"{key}/{name}" if name else key] = v
             try:  # a tracking-server hiccup must not end a week-long run
                 self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:
