@@ -893,13 +893,13 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     if job.step_hook:
         replaced = job.step_hook(progress.step + 1, job.model, loss_sum, blocks)
         loss_sum = loss_sum if replaced is None else replaced
+    if job.host_moments:  # back for the optimizer step; after a skipped one, for a save
+        job.host_moments.to_device()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
     if finite:
-        if job.host_moments:
-            job.host_moments.to_device()
         optimizer.step()
         progress.bad_in_a_row = 0
     else:

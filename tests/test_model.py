@@ -328,9 +328,10 @@ def test_recomputed_layers_inputs_on_the_host_give_the_same_losses_and_gradients
 
 def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_model_dir, world_of_one):
     """HostMoments, auto's choice when step 1 leaves no room for AdamW's moments: during each step's forward and
-    backward their memory is freed and their values wait in host buffers, reused step after step; the optimizer
-    step gets them back. Three steps, the second skipped for a non-finite gradient, give exactly the weights and
-    moments of the same steps with the moments left in place. (On CPU the copies are plain; CUDA's are pinned.)"""
+    backward their memory is freed and their values wait in host buffers, reused step after step; they are back
+    for the optimizer step, or after a skipped one. Three steps, the second skipped for a non-finite gradient, give
+    exactly the weights and moments of the same steps with the moments left in place. (On CPU the copies are plain;
+    CUDA's are pinned.)"""
     cfg = train.Config(model_name=str(tiny_model_dir), param_dtype="float32", compile=False)
     blocks = [train.make_block([(list(range(k, k + 37)), [i % 3 > 0 for i in range(37)])], 37, 0) for k in (5, 9, 50)]
 
@@ -352,7 +353,12 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
         job = train.Job(cfg, world_of_one, model, optimizer, scheduler, 10, train.Progress(), train.filler_block(0))
         job.step_hook = after_backward
         job.host_moments = train.HostMoments(optimizer, world_of_one.device) if away else None
-        stats = [train.train_step(job, [block]) for block in blocks]
+        stats, present = [], []
+        for block in blocks:
+            stats.append(train.train_step(job, [block]))
+            moments = train.HostMoments(optimizer, world_of_one.device).moments()
+            present.append(all(m.untyped_storage().nbytes() == m.nbytes for m in moments))
+        assert present == [True] * 3  # back on the device after each step, a skipped one too: a save may follow
         moments = [m.clone() for m in train.HostMoments(optimizer, world_of_one.device).moments()]
         weights = [p.full_tensor() for p in model.parameters()]
         return [s.loss_sum is None for s in stats], weights, moments, freed, buffers
