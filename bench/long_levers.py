@@ -24,6 +24,8 @@ from functools import partial
 
 import torch
 
+import train
+
 
 class TiledMLP(torch.autograd.Function):
     """forward: the MLP tile by tile, saving its input only. backward: each tile's forward again, then its backward,
@@ -92,7 +94,7 @@ class SavedOnHost:
         slot, cuda = (layer, len(seen)), tensor.device.type == "cuda"
         host = self.buffers.get(slot)
         if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = self.buffers[slot] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+            host = self.buffers[slot] = train.host_buffer(tensor, pinned=cuda)  # pinned in place, not rounded up
         done = None
         if cuda:
             self.stream = self.stream or torch.cuda.Stream(tensor.device)
