@@ -7,7 +7,8 @@
 #   restart           with Triton's only: what workload.yaml keeps (its archive in KERNEL_CACHE, restored to local disk).
 # Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after
 # `source bench/device_env.sh` without its restored caches (remove .bench-assets/caches.tar.xz.part* first).
-# Logs: $W, and BENCH_LOGS if set (what a call cut short still returns).
+# Logs: $W, and BENCH_LOGS if set (what a call cut short still returns). BENCH_OURS_ARGS: extra `bench.py ours`
+# arguments, e.g. --kernel-warmup (bench/kernel_warmup.py).
 #
 #   bash bench/first_step.sh ["SEQ_LENS"] [STEPS] [LAYERS]
 set -uo pipefail
@@ -28,7 +29,8 @@ for SEQ in $SEQS; do
     PRINT=0 && [ "$RUN" = fresh ] && PRINT=1
     TRITON_PRINT_AUTOTUNING=$PRINT timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node=1 \
       bench/bench.py ours --model-config "bench/configs/qwen3.8-27b-geometry-${LAYERS}layers" --tokenizer "$A/tok" \
-      --data "$W/data.jsonl" --seq-len "$SEQ" --steps "$STEPS" --attn torch_varlen --out "$W/out_$NAME" 2>&1 |
+      --data "$W/data.jsonl" --seq-len "$SEQ" --steps "$STEPS" --attn torch_varlen --out "$W/out_$NAME" \
+      ${BENCH_OURS_ARGS:-} 2>&1 |
       while IFS= read -r line; do echo "$(($(date +%s%N) / 1000000 - T0)) $line"; done > "$W/$NAME.log"
     RC=${PIPESTATUS[0]}
     [ -n "${BENCH_LOGS:-}" ] && cp "$W/$NAME.log" "$BENCH_LOGS/"
