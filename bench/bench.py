@@ -86,7 +86,6 @@ def cmd_ours(args) -> None:
     import train
 
     lift_fla_hopper_guard()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "site"), os.environ.get("PYTHONPATH", "")])
     if os.environ.get("BENCH_GC") == "off":  # does Python's garbage collector stall steps?
         import gc
 
@@ -131,6 +130,8 @@ def cmd_ours(args) -> None:
     if args.kernel_warmup:  # a lever for the first step (bench/kernel_warmup.py)
         from kernel_warmup import install
 
+        site = [str(ROOT / "bench" / "site"), os.environ.get("PYTHONPATH", "")]  # its processes lift the guard too
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, site))
         install()
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []

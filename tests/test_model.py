@@ -375,7 +375,7 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
 def test_kernel_warmup_starts_with_the_model_build_and_is_waited_for_before_the_loop(monkeypatch):
     """bench/kernel_warmup.py's install() (bench.py ours --kernel-warmup): the warm-up starts with the settings and
     model config train.build_model is given, before the build, and the loop waits for it before its first step. On
-    CPU (or a model without linear attention) it starts no process."""
+    CPU it starts no process."""
     import kernel_warmup  # bench/ (pytest's pythonpath)
 
     events = []

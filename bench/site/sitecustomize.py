@@ -1,6 +1,6 @@
-"""BENCH WORKAROUND (timing only): bench.py's lift_fla_hopper_guard in the processes the recipe starts itself, its
-kernel warm-up (train.KernelWarmup), which would otherwise stop at fla's Hopper guard in their first backward and
-leave the backward's kernels to step 1. bench.py's `ours` puts this folder first on the PYTHONPATH they inherit;
+"""BENCH WORKAROUND (timing only): bench.py's lift_fla_hopper_guard in the kernel warm-up's processes
+(bench/kernel_warmup.py), which would otherwise stop at fla's Hopper guard in their first backward and leave the
+backward's kernels to step 1. `bench.py ours --kernel-warmup` puts this folder first on the PYTHONPATH they inherit;
 the guard is lifted once fla.ops.common.chunk_o is imported, so processes that never import fla pay nothing."""
 
 import importlib.abc
@@ -14,6 +14,8 @@ class LiftFlaHopperGuard(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
         exec_module = spec.loader.exec_module
 
         def lifted(module):
