@@ -38,7 +38,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -49,12 +48,11 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -374,15 +372,14 @@ class AssistantMasker:
             raise Skip("special-token text in a content")  # it would be tokenized as real turn markers
         if not self.renders_reasoning and any(m.get("reasoning_content") for m in messages):
             raise Skip("reasoning the template does not render (set reasoning: drop)")
-        # A tool-call-only turn's empty content gets no placeholder: templates render calls differently after one.
         slots = []  # (message index, placeholder, its text) in the order a template renders them
         skeleton_messages = [dict(m) for m in messages]  # the messages with the placeholders in place of their texts
         for i, m in enumerate(messages):
             if self.renders_reasoning and m["role"] == "assistant" and (m.get("reasoning_content") or "").strip():
                 slots.append((i, f"\ue000r{i}\ue001", m["reasoning_content"]))
                 skeleton_messages[i]["reasoning_content"] = slots[-1][1]
-            if m["content"]:
-                slots.append((i, f"\ue000c{i}\ue001", m["content"]))
+            if m["content"]:  # a tool-call-only turn's empty content gets no placeholder:
+                slots.append((i, f"\ue000c{i}\ue001", m["content"]))  # templates render calls differently after one
                 skeleton_messages[i]["content"] = slots[-1][1]
         if not self.tok.chat_template:
             raise Skip("a conversation, and the tokenizer has no chat_template (set tokenizer_name to one that has)")
@@ -632,9 +629,8 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:  # GQA: torch 2.11's varlen_attn has no enable_gqa
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
-    return out.unsqueeze(0), None
+    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]  # window_size (-1, 0): causal
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0)).unsqueeze(0), None
 
 
 def model_config(name: str | Path, revision: str = "", trust_remote_code: bool = False):
@@ -643,9 +639,8 @@ def model_config(name: str | Path, revision: str = "", trust_remote_code: bool =
     revision = None if Path(name).exists() else revision or None
     load = partial(AutoConfig.from_pretrained, name, revision=revision, trust_remote_code=trust_remote_code)
     config = from_hub(load, str(name))
-    # With a cache, transformers derives no block-diagonal mask from position_ids: packed conversations would mix.
-    config.use_cache = config.get_text_config().use_cache = False
-    return config
+    config.use_cache = config.get_text_config().use_cache = False  # with a cache, transformers derives no
+    return config  # block-diagonal mask from position_ids: packed conversations would mix
 
 
 def recompute_share(value: str) -> float | None:
@@ -661,22 +656,19 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     dtype, remote_code = getattr(torch, cfg.master_dtype), cfg.trust_remote_code
     with torch.device("meta"):
         model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
-    # Only the decoder and LM head train; a VLM's vision tower is frozen (exported): no gradient, no state to resume.
     trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in trained)
+    for p in model.parameters():  # only the decoder and LM head train; a VLM's vision tower is frozen
+        p.requires_grad_(id(p) in trained)  # (exported): no gradient, no state to resume
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
     layers, share = model.get_decoder().layers, recompute_share(cfg.activation_checkpointing)
-    if share is None or share > 0:
-        # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping). A
-        # share f recomputes an evenly spread f of the layers; auto starts with all (RecomputeProbe keeps some).
+    if share is None or share > 0:  # auto starts with all (RecomputeProbe keeps some)
+        # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         n, k = len(layers), round((1.0 if share is None else share) * len(layers))  # k: the layers recomputed
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers):  # a share f recomputes an evenly spread f of the layers
             layer.gradient_checkpointing = (i + 1) * k // n > i * k // n
-    if cfg.float8:
-        # The MLPs only: ~70% of the matmul FLOPs, and compiled (the casts fuse). Weights keep their dtype and names.
+    if cfg.float8:  # the MLPs only: ~70% of the matmul FLOPs, compiled (the casts fuse); weights keep dtype and names
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith("MLP")):
@@ -688,12 +680,10 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     for module in [*layers, model]:  # each decoder layer, then the root
         fully_shard(module, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
-    # Buffers (rotary inv_freq) are in no checkpoint: the model's initialiser computes them, as transformers does.
-    for module in (m for m in model.modules() if m._buffers):
-        model._init_weights(module)
-    # token_losses skips model.forward: registered, FSDP all-gathers the root's parameters around it too.
-    model.token_losses = token_losses.__get__(model)
-    register_fsdp_forward_method(model, "token_losses")
+    for module in (m for m in model.modules() if m._buffers):  # buffers (rotary inv_freq) are in no checkpoint:
+        model._init_weights(module)  # the model's initialiser computes them, as transformers does
+    model.token_losses = token_losses.__get__(model)  # token_losses skips model.forward: registered,
+    register_fsdp_forward_method(model, "token_losses")  # FSDP all-gathers the root's parameters around it too
     return model
 
 
@@ -714,9 +704,8 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
 
 def init_random(model, seed: int) -> None:
     torch.manual_seed(seed)  # init: random (benchmarks and tests): the model's own initialiser on this rank's shards
-    # implicit_replication: an initialiser that copies a plain tensor into a shard (A_log) copies this rank's slice.
-    with torch.no_grad(), implicit_replication():
-        for module in model.modules():
+    with torch.no_grad(), implicit_replication():  # implicit_replication: an initialiser that copies a plain
+        for module in model.modules():  # tensor into a shard (A_log) copies this rank's slice
             model._init_weights(module)
 
 
@@ -737,9 +726,8 @@ def packed_inputs(block: dict) -> dict:  # the token ids and the signals that ke
 def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks."""
     hidden, head = model.model(**packed_inputs(block)).last_hidden_state[0], model.get_output_embeddings()
-    targets = block["labels"][0, 1:]
-    where = (targets != -100).nonzero().squeeze(1)
-    # A block without loss tokens still runs HeadLoss, keeping FSDP's backward hooks connected: an exact 0 loss.
+    targets = block["labels"][0, 1:]  # a block without loss tokens still runs HeadLoss, keeping FSDP's backward
+    where = (targets != -100).nonzero().squeeze(1)  # hooks connected: an exact 0 loss
     return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled())
 
 
@@ -748,7 +736,6 @@ class HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
-        # with_grads: the caller's grad mode (forward itself runs without), off for evaluation
         losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         grad_hidden, grad_weight = (torch.empty_like(hidden), torch.zeros_like(weight)) if with_grads else (None, None)
         for start in range(0, len(targets), chunk_tokens):
@@ -756,7 +743,7 @@ class HeadLoss(torch.autograd.Function):
             h, y = hidden[rows], targets[rows]
             log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # 4 GB at 4,096 tokens x 248k vocabulary
             losses[rows] = -log_probs.gather(1, y[:, None]).squeeze(1)
-            if with_grads:
+            if with_grads:  # the caller's grad mode (forward itself runs without): off for evaluation
                 softmax = log_probs.exp_()  # in place: the same tensor
                 softmax[torch.arange(len(y), device=y.device), y] -= 1
                 grad_logits = softmax.to(hidden.dtype)
@@ -768,12 +755,11 @@ class HeadLoss(torch.autograd.Function):
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses):
+    def backward(ctx, grad_losses):  # in place: no second copy of the head's gradient (2.5 GB for the 27B)
         grad_hidden, grad_weight = ctx.saved_tensors
         torch._assert_async((grad_losses == grad_losses[:1]).all(), "HeadLoss: every token's loss must weigh the same")
         scale = grad_losses[:1].sum()  # 0 when there are no loss tokens
-        # In place: no second copy of the head's gradient (2.5 GB for the 27B). A second backward through the same
-        # graph (retain_graph) would fail autograd's check that saved tensors are unchanged, not double-scale.
+        # A second backward through this graph (retain_graph) fails autograd's saved-tensor check: no double scaling
         return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), None, None, None
 
 
@@ -903,8 +889,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
         optimizer.step()
         progress.bad_in_a_row = 0
     else:
-        progress.bad_steps += 1
-        progress.bad_in_a_row += 1
+        progress.bad_steps, progress.bad_in_a_row = progress.bad_steps + 1, progress.bad_in_a_row + 1
         row = f"{progress.bad_in_a_row} in a row, {progress.bad_steps} in all"
         print0(d.rank, f"step {progress.step + 1}: non-finite loss or gradient norm, optimizer step skipped ({row})")
     stats.lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
@@ -930,8 +915,7 @@ def training_loop(job: Job, blocks, operations: list[Operation]) -> str:
     while progress.step < job.total_steps:
         if stop_requested(job.d):  # before the step takes its blocks: a checkpoint resumes there
             return "stopped"
-        waiting = time.perf_counter()
-        step_blocks = list(itertools.islice(data, cfg.gradient_accumulation_steps))
+        waiting, step_blocks = time.perf_counter(), list(itertools.islice(data, cfg.gradient_accumulation_steps))
         stats = train_step(job, step_blocks, data_wait_s=time.perf_counter() - waiting)
         if stats.max_blocks == 0:
             return "exhausted"
@@ -1193,8 +1177,7 @@ def check_tracking_store() -> None:  # tried first: a store MetricsLog cannot us
     import mlflow
 
     try:  # the cheapest call that needs the store: the platform's run, or one experiment
-        client = mlflow.MlflowClient()
-        client.get_run(run_id) if run_id else client.search_experiments(max_results=1)
+        mlflow.MlflowClient().get_run(run_id) if run_id else mlflow.MlflowClient().search_experiments(max_results=1)
     except (mlflow.exceptions.MlflowException, OSError, ImportError, ValueError) as e:  # ImportError: no db driver
         cause = e  # the innermost: "[Errno 111] Connection refused", not the URL (and any password in it) thrice
         while cause.__cause__ or cause.__context__:
@@ -1324,15 +1307,13 @@ def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: 
     layers = model.get_decoder().layers  # the log's lines on the model, and the numbers derived from the settings
     recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
     recomputed += " until activation_checkpointing auto decides" if recompute_is_measured(cfg, d.device) else ""
-    return (
-        f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
-        f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
-        f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s, "
-        f"peak host memory {rss_gib():.1f} GiB on rank 0\n"
-        f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
-        f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
-        f"transformers {importlib.metadata.version('transformers')}"
-    )
+    line = f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
+    line += f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
+    line += f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s, "
+    line += f"peak host memory {rss_gib():.1f} GiB on rank 0\n"
+    line += f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
+    line += f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
+    return f"{line}transformers {importlib.metadata.version('transformers')}"
 
 
 class CountedBlocks(PackedBlocks):  # the counting pass's stream: its blocks counted in its worker, its end handed over
@@ -1419,8 +1400,7 @@ def resume_point(cfg: Config, d: Dist) -> Path | None:  # the newest complete ch
         for path in reversed(candidates):
             if not (problem := checkpoint_problem(path)):
                 return path
-            aside = path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            path.rename(aside)
+            aside = path.rename(path.with_name(f"rejected-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
             print(f"warning: checkpoint {path} is damaged ({problem}): set aside as {aside.name}", flush=True)
         if candidates:
             raise UserError(f"every checkpoint in {path.parent} is damaged (set aside as rejected-*); start again")
@@ -1615,8 +1595,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         def measured(*args):
             start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
             start.record()
-            output = forward(*args)
-            end = torch.cuda.Event(enable_timing=True)
+            output, end = forward(*args), torch.cuda.Event(enable_timing=True)
             end.record()
             outputs = output if isinstance(output, tuple) else (output,)
             kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
@@ -1624,9 +1603,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
             return output
 
-        # Without early stop, which ends a recomputation before the forward returns (read per call: nothing outlives it)
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return checkpoint_func(measured, *args)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # without early stop, which ends a recomputation
+            return checkpoint_func(measured, *args)  # before the forward returns (read per call: nothing outlives it)
 
     def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, step 2 decides, then it watches
         if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
@@ -1765,8 +1743,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
 
     def __exit__(self, kind, error, traceback) -> None:  # as a context, it ends the MLflow run
         if self.mlflow:  # a job's run must not read as a success when it failed
-            status = "FINISHED" if kind is None else "KILLED" if issubclass(kind, Interrupted) else "FAILED"
-            self.mlflow.end_run(status=status)
+            self.mlflow.end_run("FINISHED" if kind is None else "KILLED" if issubclass(kind, Interrupted) else "FAILED")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         if stats.loss_sum is not None:  # a skipped step's loss is left out
@@ -1918,10 +1895,7 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
         raise UserError(f"{message} (the attempt before this restart stopped on it)")
     if d.rank == 0 and (error or attempt == 0):  # the first message is kept, however many attempts stop on it
         with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
-            if error:
-                path.write_text(json.dumps([attempt, message or str(error)]))
-            else:
-                path.unlink(missing_ok=True)
+            path.write_text(json.dumps([attempt, message or str(error)])) if error else path.unlink(missing_ok=True)
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
@@ -1939,7 +1913,7 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
     def __init__(self, out: Path, d: Dist):
         self.path, self.d, self.released = out / "run.lock", d, threading.Event()
         started = time.strftime("%Y-%m-%d %H:%M:%S")  # run: this run's id, whatever pid a restarted container gets
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started, "run": os.urandom(8).hex()}
+        self.me = {"host": os.uname().nodename, "pid": os.getpid(), "started": started, "run": os.urandom(8).hex()}
         decided_by_rank_0(self.acquire, f"cannot take the lock {self.path}", d)
         if d.rank == 0:
             threading.Thread(target=self.refresh, name="run-lock", daemon=True).start()
@@ -1978,12 +1952,11 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
 
 
 def pid_alive(pid: int) -> bool:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         with contextlib.suppress(PermissionError):  # it exists, as another user's
             os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        return True
+    return False
 
 
 STOP = threading.Event()  # set by SIGTERM while training
@@ -2040,7 +2013,6 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:  #
         raise UserError(f"{bad}: stopping. {fix}")
 
 
-# A source checkpoint's tokenizer files: the export has the tokenizer trained with instead (tokenizer_name's).
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja
 chat_template.json vocab.json merges.txt tokenizer.model tokenizer.model.v3 spiece.model tekken.json""".split()
 
@@ -2077,9 +2049,9 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
         if extra := sorted(set(source_dtypes) - set(state)):  # e.g. mtp.*: copied as is, to an indexed file of its own
             tensors = {}
             for name in extra:
-                with safe_open(source / source_files.get(name, "model.safetensors"), "pt") as f:
+                with safetensors.safe_open(source / source_files.get(name, "model.safetensors"), "pt") as f:
                     tensors[name] = f.get_tensor(name)
-            save_file(tensors, out / "model-extra.safetensors", metadata={"format": "pt"})
+            safetensors.torch.save_file(tensors, out / "model-extra.safetensors", metadata={"format": "pt"})
             index = json.loads((out / "model.safetensors.index.json").read_text())
             index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -2087,7 +2059,7 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
             tokenizer_file = f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"
             if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name and not tokenizer_file:
                 shutil.copy(f, out / f.name)
-        tokenizer.save_pretrained(out)  # the tokenizer trained with: its special tokens and chat template
+        tokenizer.save_pretrained(out)  # the tokenizer trained with (tokenizer_name's): special tokens, chat template
         stop_at_end_of_turn(out, tokenizer, model.config)
         size, seconds = sum(f.stat().st_size for f in out.iterdir()) / 2**30, time.perf_counter() - t0
         print(f"exported {len(state) + len(extra)} tensors, {size:.2f} GiB in {seconds:.1f}s -> {out}", flush=True)
