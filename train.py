@@ -44,8 +44,9 @@ import time
 import weakref
 import zlib
 from collections import Counter, namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import safetensors.torch
@@ -154,6 +155,7 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's 
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        compile_autotuned_kernels_at_once()  # Triton's autotuner (fla's kernels): each configuration compiled first
     if owns_group := not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         how = {"store": attempt_store(world_size) if launched else dist.HashStore()}  # a world of one needs no port
@@ -692,6 +694,24 @@ def compile_elementwise(layers) -> None:  # norms and MLPs (docs/BENCHMARKS.md);
     kinds = ("RMSNorm", "RMSNormGated", "MLP")
     for module in (m for layer in layers for m in layer.modules() if type(m).__name__.endswith(kinds)):
         module.compile(dynamic=False)
+
+
+@cache  # once a process: Triton's autotuner compiles each configuration as it times it, one after another (fla's 118
+def compile_autotuned_kernels_at_once() -> None:  # for Qwen3.5 took step 1 130-156 s on an empty cache): threads first
+    from triton.runtime._async_compile import AsyncCompileMode  # Triton >= 3.6 (ignore_errors)
+    from triton.runtime.autotuner import Autotuner
+
+    threads = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the node's CPUs, shared
+    prune, pool = Autotuner.prune_configs, ThreadPoolExecutor(max(1, threads))
+
+    def prune_and_compile(tuner, kwargs: dict) -> list:  # run() calls it for a key it has not timed, with its args
+        configs = prune(tuner, kwargs)
+        with AsyncCompileMode(pool, ignore_errors=True):  # one that fails fails again when timed: it times inf
+            for config in configs if len(configs) > 1 else []:  # one config: Triton runs it untimed
+                tuner.fn.run(**tuner.nargs, **kwargs | config.all_kwargs() | {"warmup": True})  # compiled, not run
+        return configs
+
+    Autotuner.prune_configs = prune_and_compile
 
 
 def load_pretrained(model, path: Path, source_dtypes: dict) -> None:

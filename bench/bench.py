@@ -127,12 +127,6 @@ def cmd_ours(args) -> None:
             on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
             on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
-    if args.kernel_warmup:  # a lever for the first step (bench/kernel_warmup.py)
-        from kernel_warmup import install
-
-        site = [str(ROOT / "bench" / "site"), os.environ.get("PYTHONPATH", "")]  # its processes lift the guard too
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, site))
-        install()
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 
@@ -757,7 +751,6 @@ def main() -> None:
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
     p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
-    p.add_argument("--kernel-warmup", action="store_true", help="fla's autotuning beside the load (kernel_warmup.py)")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")

@@ -8,7 +8,7 @@
 # Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after
 # `source bench/device_env.sh` without its restored caches (remove .bench-assets/caches.tar.xz.part* first).
 # Logs: $W, and BENCH_LOGS if set (what a call cut short still returns). BENCH_OURS_ARGS: extra `bench.py ours`
-# arguments, e.g. --kernel-warmup (bench/kernel_warmup.py).
+# arguments, e.g. "--set compile=false".
 #
 #   bash bench/first_step.sh ["SEQ_LENS"] [STEPS] [LAYERS]
 set -uo pipefail

@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -430,30 +431,36 @@ def test_adamw_moments_in_pinned_host_memory_free_the_gpu_and_step_exactly_as_ke
     report("host_moments", moments_mib=nbytes / 2**20)
 
 
-WARMED_RUN = """
-import json, sys
-from pathlib import Path
-import kernel_warmup, train
+COMPILES_RUN = """
+import json, sys, threading, time
+import triton.compiler
+from triton.runtime.autotuner import Autotuner
+import train
 
-cache, counts = Path(sys.argv[1]), {}
-cubins = lambda: sorted(str(p.relative_to(cache)) for p in cache.rglob("*.cubin"))
-wait = kernel_warmup.KernelWarmup.wait
-def counted(self):  # step 1 starts when this returns
-    wait(self)
-    counts.update(processes=len(self.procs), after_warmup=cubins())
-kernel_warmup.KernelWarmup.wait = counted
-kernel_warmup.install()
-train.train(sys.argv[2])
-print("COUNTS " + json.dumps({**counts, "after_step": cubins()}))
+if sys.argv[2] == "one at a time":  # the recipe without the lever, for the time it saves
+    train.compile_autotuned_kernels_at_once = lambda: None
+compiles, timing, compile, bench = [], [], triton.compiler.compile, Autotuner._bench
+def recorded(*args, **kwargs):  # a configuration compiled: on which thread, and inside a timing or not
+    compiles.append((threading.current_thread().name, bool(timing)))
+    return compile(*args, **kwargs)
+def timed(self, *args, **kwargs):
+    timing.append(1)
+    try:
+        return bench(self, *args, **kwargs)
+    finally:
+        timing.pop()
+triton.compiler.compile, Autotuner._bench = recorded, timed
+t0 = time.perf_counter()
+result = train.train(sys.argv[1])
+print("COMPILES " + json.dumps({"compiles": compiles, "seconds": time.perf_counter() - t0, **result}))
 """
 
 
-def test_kernel_warmup_leaves_the_first_step_no_triton_kernel_to_compile(tmp_path, tokenizer):
-    """bench/kernel_warmup.py (bench.py ours --kernel-warmup) on an empty Triton cache: its processes, each compiling
-    a share of every autotuned fla kernel's configurations through one Gated DeltaNet layer, leave the recipe's first
-    step (train.train, the tiny hybrid, in a new process) no kernel to compile: the cubins in Triton's cache are the
-    same after the step as before it. Run again, it finds its marker and starts no process. Both runs lift fla's
-    Hopper guard as the bench does (bench/site): this checks which kernels compile, not the gradients."""
+def test_autotuned_kernels_are_compiled_by_threads_before_they_are_timed(tmp_path, tokenizer):
+    """compile_autotuned_kernels_at_once, on an empty Triton cache (train.train, the tiny hybrid, in a new process):
+    each autotuned fla kernel's configurations are compiled by a pool of threads before the autotuner times them, so
+    no configuration compiles inside a timing; without it, every one does (and the run takes longer: reported). fla's
+    Hopper guard is lifted as the bench does (bench/site): this checks where kernels compile, not the gradients."""
     vocab_size = -(-len(tokenizer) // 64) * 64
     hybrid_config(vocab_size).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -461,21 +468,26 @@ def test_kernel_warmup_leaves_the_first_step_no_triton_kernel_to_compile(tmp_pat
     settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=4096, compile=False)
     settings |= dict(attn_implementation="torch_varlen", save_every=-1, export=False, output_dir=str(tmp_path / "o"))
     (tmp_path / "job.yaml").write_text(json.dumps(settings))
-    (tmp_path / "run.py").write_text(WARMED_RUN)
-    cache = tmp_path / "triton"
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "site"), str(ROOT), str(ROOT / "bench"), *sys.path])
-    runs = []
-    for attempt in range(2):
+    (tmp_path / "run.py").write_text(COMPILES_RUN)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "site"), str(ROOT), *sys.path])
+    runs = {}
+    for way in ("at once", "one at a time"):
         shutil.rmtree(tmp_path / "o", ignore_errors=True)
-        cmd = [sys.executable, str(tmp_path / "run.py"), str(cache), str(tmp_path / "job.yaml")]
+        env["TRITON_CACHE_DIR"] = str(tmp_path / way.replace(" ", "_"))  # empty: a new machine
+        cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml"), way]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        warmed = [line for line in proc.stdout.splitlines() if line.startswith("kernel warm-up:")]
-        assert len(warmed) == (attempt == 0) and "failed" not in "".join(warmed), proc.stdout[-3000:]
-        runs.append(json.loads(proc.stdout.split("COUNTS ", 1)[1].splitlines()[0]))
-        report("kernel_warmup", attempt=attempt, processes=runs[-1]["processes"], cubins=len(runs[-1]["after_step"]))
-    first, again = runs
-    assert first["processes"] >= 1 and len(first["after_warmup"]) > 10
-    assert first["after_step"] == first["after_warmup"], "the first step compiled kernels the warm-up left"
-    assert again["processes"] == 0 and again["after_step"] == first["after_step"]
+        runs[way] = json.loads(proc.stdout.split("COMPILES ", 1)[1].splitlines()[0])
+        assert math.isfinite(runs[way]["final_loss"])
+    threads = Counter(name for name, _ in runs["at once"]["compiles"] if name != "MainThread")
+    inside = {way: sum(in_timing for _, in_timing in run["compiles"]) for way, run in runs.items()}
+    report(
+        "compile_at_once",
+        threads=len(threads),
+        pooled=sum(threads.values()),
+        inside_timings=inside,
+        seconds={way: round(run["seconds"], 1) for way, run in runs.items()},
+    )
+    assert len(threads) > 1 and sum(threads.values()) > 10  # many configurations, on several threads
+    assert inside == {"at once": 0, "one at a time": sum(threads.values())}, inside

@@ -370,31 +370,3 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
     assert len(away[4][1]) == n and all(a is b for a, b in zip(away[4][1], away[4][2]))  # the same buffers
     assert all(m.abs().sum() > 0 for m in away[2]) and len(away[2]) == n
     assert all(a.equal(b) for a, b in zip(kept[1] + kept[2], away[1] + away[2]))
-
-
-def test_kernel_warmup_starts_with_the_model_build_and_is_waited_for_before_the_loop(monkeypatch):
-    """bench/kernel_warmup.py's install() (bench.py ours --kernel-warmup): the warm-up starts with the settings and
-    model config train.build_model is given, before the build, and the loop waits for it before its first step. On
-    CPU it starts no process."""
-    import kernel_warmup  # bench/ (pytest's pythonpath)
-
-    events = []
-    monkeypatch.setattr(train, "build_model", lambda config, cfg, attn, device: events.append("build") or "model")
-    monkeypatch.setattr(train, "training_loop", lambda job, blocks, operations: events.append("loop") or "done")
-
-    class Recorded(kernel_warmup.KernelWarmup):
-        def __init__(self, cfg, config, device):
-            super().__init__(cfg, config, device)
-            events.append(("start", cfg.max_seq_len, config.model_type, self.procs))
-
-        def wait(self):
-            events.append("wait")
-            super().wait()  # applies is False: no barrier, no process
-
-    monkeypatch.setattr(kernel_warmup, "KernelWarmup", Recorded)
-    kernel_warmup.install()
-    config = train.model_config(kernel_warmup.BENCH / "configs" / "qwen3.8-27b-geometry-4layers")
-    cfg = train.Config(max_seq_len=4096)
-    assert train.build_model(config, cfg, "sdpa", torch.device("cpu")) == "model"
-    assert train.training_loop(None, iter([]), []) == "done"
-    assert events == [("start", 4096, "qwen3_5", []), "build", "wait", "loop"]

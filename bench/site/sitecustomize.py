@@ -1,7 +1,7 @@
-"""BENCH WORKAROUND (timing only): bench.py's lift_fla_hopper_guard in the kernel warm-up's processes
-(bench/kernel_warmup.py), which would otherwise stop at fla's Hopper guard in their first backward and leave the
-backward's kernels to step 1. `bench.py ours --kernel-warmup` puts this folder first on the PYTHONPATH they inherit;
-the guard is lifted once fla.ops.common.chunk_o is imported, so processes that never import fla pay nothing."""
+"""BENCH WORKAROUND (timing only): bench.py's lift_fla_hopper_guard in a process that the bench or a GPU test starts
+with train.train (tests/test_gpu.py's compile test), which would otherwise stop at fla's Hopper guard (the startup
+check) where no TileLang is installed. Put this folder first on the PYTHONPATH; the guard is lifted once
+fla.ops.common.chunk_o is imported, so processes that never import fla pay nothing."""
 
 import importlib.abc
 import importlib.machinery
