@@ -1323,14 +1323,21 @@ def checkpoint_dtypes(path: Path) -> dict:
     return {name: meta.properties.dtype for name, meta in metadata.items()}
 
 
+def launched_s_ago() -> str:  # this process's age (Linux): its imports, startup checks and all that came before
+    with contextlib.suppress(OSError, ValueError):
+        started = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return f", {float(Path('/proc/uptime').read_text().split()[0]) - started:.1f}s after launch"
+    return ""
+
+
 def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: int, seconds: float) -> str:
     layers = model.get_decoder().layers  # the log's lines on the model, and the numbers derived from the settings
     recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
     recomputed += " until activation_checkpointing auto decides" if recompute_is_measured(cfg, d.device) else ""
     line = f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
     line += f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
-    line += f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s, "
-    line += f"peak host memory {rss_gib():.1f} GiB on rank 0\n"
+    line += f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s"
+    line += f"{launched_s_ago()}, peak host memory {rss_gib():.1f} GiB on rank 0\n"
     line += f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
     line += f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
     return f"{line}transformers {importlib.metadata.version('transformers')}"
@@ -1773,6 +1780,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         self.window.update(steps=1, flops=flops, blocks=stats.blocks, tokens=stats.tokens)
         self.window["data_wait_s"] += stats.data_wait_s
         self.grad_norm, self.lr = stats.grad_norm, stats.lr  # the log's: the last step's, not a mean over the window
+        if self.window["steps"] == 1 and self.since == self.start:  # a new machine's compiles and autotuning
+            print0(self.d.rank, f"first step took {time.perf_counter() - self.start:.1f}s{launched_s_ago()}")
         if job.progress.step % self.cfg.log_every == 0 or job.progress.step == job.total_steps:
             self.flush(job)
 
