@@ -3,8 +3,9 @@
 # the kernel caches in $W/caches (TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point there):
 #   fresh             the first length's with no cache, as a new container (a later length's finds the kernels
 #                     compiled at the lengths before it, as a job resubmitted with a new max_seq_len would);
-#   restart_inductor  with Triton's and Inductor's caches from the runs before;
-#   restart           with Triton's only: what workload.yaml keeps (its archive in KERNEL_CACHE, restored to local disk).
+#   restart           with Triton's and Inductor's caches from the runs before: what workload.yaml keeps (their
+#                     archives in KERNEL_CACHE, restored to local disk);
+#   restart_triton    with Triton's only.
 # Fresh runs print Triton's autotuning (TRITON_PRINT_AUTOTUNING=1): where step 1's time goes. Run after
 # `source bench/device_env.sh` without its restored caches (remove .bench-assets/caches.tar.xz.part* first).
 # Logs: $W, and BENCH_LOGS if set (what a call cut short still returns). BENCH_OURS_ARGS: extra `bench.py ours`
@@ -20,11 +21,11 @@ rm -rf "$W" && mkdir -p "$W"
 [ -s "$A/tok/tokenizer.json" ] || xz -dc "$A/tokenizer.json.xz" > "$A/tok/tokenizer.json" || exit 1
 python3 bench/bench.py data "$A/ultrachat_200.jsonl" "$W/data.jsonl" --copies 40 || exit 1
 for SEQ in $SEQS; do
-  for RUN in ${BENCH_RUNS:-fresh restart_inductor restart}; do
+  for RUN in ${BENCH_RUNS:-fresh restart restart_triton}; do
     NAME=s${SEQ}_$RUN
     rm -rf "$W/out_$NAME"
     [ "$RUN" = fresh ] && [ "$SEQ" = "${SEQS%% *}" ] && rm -rf "$W/caches"  # the first length's: a new container
-    [ "$RUN" = restart ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"  # what the workload keeps: Triton's cache only
+    [ "$RUN" = restart_triton ] && rm -rf "$TORCHINDUCTOR_CACHE_DIR"  # Triton's cache only
     T0=$(($(date +%s%N) / 1000000))
     PRINT=0 && [ "$RUN" = fresh ] && PRINT=1
     TRITON_PRINT_AUTOTUNING=$PRINT timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node=1 \

@@ -130,8 +130,9 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
     job.mkdir()
     shutil.copy(path, job / path.name)
     shutil.copy(ROOT / "train.py", job / "train.py")
+    inherited = {k: v for k, v in os.environ.items() if not k.endswith("_CACHE_DIR")}  # torch sets Inductor's
     env = {
-        **os.environ,
+        **inherited,
         "HF_HOME": str(tmp_path / "hf"),
         "GPU_ARCH": "90",
         "CUDA_HOME": str(fake_cuda_home(tmp_path)),
@@ -144,12 +145,13 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
-    (tmp_path / "kernel-cache").mkdir()  # the archive a run before left on the volume: one file of Triton's cache
+    (tmp_path / "kernel-cache").mkdir()  # the archives a run before left on the volume: one file of each cache
     (tmp_path / "from-before").write_text("a compiled kernel")
-    with tarfile.open(tmp_path / "kernel-cache/triton.tar", "w") as archive:
-        archive.add(tmp_path / "from-before", arcname="./kernel/from-before")
-    (tmp_path / "triton-cache").mkdir()  # Triton's cache on this node (TMPDIR's): a kernel compiled in this run
-    (tmp_path / "triton-cache/compiled-now").write_text("another kernel")
+    for kind in ("triton", "inductor"):
+        with tarfile.open(tmp_path / f"kernel-cache/{kind}.tar", "w") as archive:
+            archive.add(tmp_path / "from-before", arcname="./kernel/from-before")
+        (tmp_path / f"{kind}-cache").mkdir()  # its cache on this node (TMPDIR's): a kernel compiled in this run
+        (tmp_path / f"{kind}-cache/compiled-now").write_text("another kernel")
     command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
     command += ["--", "--config", str(tiny_override(tmp_path, tiny_model_dir))]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -157,11 +159,12 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
     if "KERNEL_CACHE" in yaml.safe_load(path.read_text())["env_variables"]:  # restored, then archived again
-        assert (tmp_path / "triton-cache/kernel/from-before").exists()
         time.sleep(2.5)  # node 0's archiver ends a second after torchrun, with a last look
-        with tarfile.open(tmp_path / "kernel-cache/triton.tar") as archive:
-            assert {"./kernel/from-before", "./compiled-now"} <= set(archive.getnames())
-        assert not list((tmp_path / "kernel-cache").glob("triton.tar.*"))  # written aside, then renamed
+        for kind in ("triton", "inductor"):
+            assert (tmp_path / f"{kind}-cache/kernel/from-before").exists(), kind
+            with tarfile.open(tmp_path / f"kernel-cache/{kind}.tar") as archive:
+                assert {"./kernel/from-before", "./compiled-now"} <= set(archive.getnames()), kind
+        assert not list((tmp_path / "kernel-cache").glob("*.tar.*"))  # written aside, then renamed
     resolved = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
     w = yaml.safe_load(path.read_text())
     for key in set(w["parameters"]) - set(yaml.safe_load((tmp_path / "tiny.yaml").read_text())):
