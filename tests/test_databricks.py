@@ -130,7 +130,8 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
     job.mkdir()
     shutil.copy(path, job / path.name)
     shutil.copy(ROOT / "train.py", job / "train.py")
-    inherited = {k: v for k, v in os.environ.items() if not k.endswith("_CACHE_DIR")}  # torch sets Inductor's
+    kernel_caches = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # torch sets Inductor's in this process
+    inherited = {k: v for k, v in os.environ.items() if k not in kernel_caches}
     env = {
         **inherited,
         "HF_HOME": str(tmp_path / "hf"),
