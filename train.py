@@ -160,12 +160,12 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's 
         backend = "nccl" if device.type == "cuda" else "gloo"
         how = {"store": attempt_store(world_size) if launched else dist.HashStore()}  # a world of one needs no port
         if backend == "nccl":  # a timed-out collective ends the rank (torchrun restarts it), its trace in output_dir
-            how["device_id"] = device
-            traces = {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}  # a user's own settings win:
-            os.environ.update({k: v for k, v in (NCCL_ON_TIMEOUT | traces).items() if k not in os.environ})
+            how["device_id"], traces = device, {"TORCH_FR_DUMP_TEMP_FILE": f"{output_dir}/nccl_traces/rank_"}
+            os.environ.update({k: v for k, v in (NCCL_ON_TIMEOUT | traces).items() if k not in os.environ})  # users win
             with contextlib.suppress(OSError):  # check_output_dir says it in one line
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: each thread's stack (data workers too)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         threading.Thread(target=exit_with_launcher, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
     return Dist(rank, world_size, device, owns_group)

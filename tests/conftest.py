@@ -2,12 +2,14 @@
 the repo root and tools/ on the import path (pytest's pythonpath); workers under torchrun get them through
 PYTHONPATH."""
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,51 @@ def worker_env(**extra) -> dict:
 
 def run(command: list, env: dict | None = None, timeout=300) -> tuple[int, str, str]:
     """Runs command in the repo root (environment: worker_env() unless given): (exit status, stdout, stderr)."""
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or worker_env())
+    proc = run_process(command, cwd=ROOT, env=env or worker_env(), timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_process(command: list, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout); one still running at its timeout
+    fails the test with where each of its processes is: every process it started (torchrun's ranks, their data
+    workers) is sent SIGUSR1 (train.py prints its threads' stacks) before all are killed."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = descendants(proc.pid)
+        for pid, command_line in tree.items():  # Python processes; not a launcher (torchrun), which SIGUSR1 would end
+            python = "python" in Path(command_line.partition(" ")[0]).name
+            if python and "torch.distributed.run" not in command_line and "torchrun" not in command_line:
+                signal_if_alive(pid, signal.SIGUSR1)
+                time.sleep(0.3)  # one after the other: their stacks share the pipes
+        time.sleep(1)  # the last stacks are written before anything is killed
+        for pid in [proc.pid, *tree]:
+            signal_if_alive(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"{command} still ran after {timeout} s, its stacks at the end:\n{out[-4000:]}\n{err[-30000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: command line} of every process below root (its children, theirs, ...), whatever session each is in."""
+    children, command_lines = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError):
+            parent = int(open(f"/proc/{entry}/stat").read().rpartition(")")[2].split()[1])
+            command_lines[int(entry)] = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found[pid] = command_lines.get(pid, "")
+            todo.append(pid)
+    return found
+
+
+def signal_if_alive(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def run_ok(command: list, env: dict | None = None, timeout=300) -> str:

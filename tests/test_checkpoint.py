@@ -21,6 +21,7 @@ from conftest import (
     kill_all,
     losses_by_step,
     run_ok,
+    run_process,
     stream_blocks,
     tensors,
     torchrun,
@@ -170,7 +171,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     data, straight = straight
     command, killed = job(tmp_path, tiny_model_dir, "killed", data, log_every=2)
     faulty = [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(tmp_path / "killed.yaml"), "kill-at-7"]
-    proc = subprocess.run(faulty, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = run_process(faulty, cwd=ROOT, env=worker_env(), timeout=300)
     assert proc.returncode != 0 and "step 6/" in proc.stdout and "step 7/" not in proc.stdout, proc.stdout[-2000:]
     assert (killed / "checkpoints/step_00000006").is_dir()
     assert [p.name for p in train.complete_checkpoints(train.Config(output_dir=str(killed)))] == ["step_00000003"]
@@ -187,7 +188,7 @@ def test_sigterm_saves_after_the_step_and_the_restart_is_bit_identical(tiny_mode
     data, straight = straight
     command, stopped = job(tmp_path, tiny_model_dir, "stopped", data, log_every=2)
     faulty = [*TORCHRUN, str(WORKERS / "fault_worker.py"), str(tmp_path / "stopped.yaml"), "sigterm-launcher-at-4"]
-    proc = subprocess.run(faulty, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = run_process(faulty, cwd=ROOT, env=worker_env(), timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "SIGTERM: stopping after step " in output, output[-3000:]
     step = int(re.search(r"stopped by SIGTERM after step (\d+); the newest checkpoint is", output)[1])

@@ -14,7 +14,7 @@ from pathlib import Path
 import air_schema
 import pytest
 import yaml
-from conftest import ROOT, TORCHRUN, fake_cuda_home, free_port, worker_env, write_tiny_job
+from conftest import ROOT, TORCHRUN, fake_cuda_home, free_port, run_process, worker_env, write_tiny_job
 
 import train
 
@@ -155,7 +155,7 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         (tmp_path / f"{kind}-cache/compiled-now").write_text("another kernel")
     command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
     command += ["--", "--config", str(tiny_override(tmp_path, tiny_model_dir))]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_process(command, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
     assert "step 3/3" in proc.stdout and (tmp_path / "out/model/config.json").exists()
@@ -204,9 +204,7 @@ def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
             os.environ.pop(key)
     config = tiny_override(tmp_path, tiny_model_dir)
     env = worker_env(**env, MLFLOW_RUN_ID=run_id, HF_TOKEN="hf_SECRETtokenVALUE123")
-    proc = subprocess.run(
-        [*TORCHRUN, "train.py", "--config", str(config)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_process([*TORCHRUN, "train.py", "--config", str(config)], cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = client.get_run(run_id)
     assert run.data.params["learning_rate"] == str(train.Config().learning_rate)

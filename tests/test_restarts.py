@@ -1,6 +1,7 @@
 """Restarts inside the job on 2 CPU ranks under torchrun: a hung, killed or failing rank, a user error, slow saves
 and exports, a killed launcher; SIGTERM while a fault unwinds, and under plain `python train.py`."""
 
+import os
 import re
 import signal
 import subprocess
@@ -10,7 +11,20 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TORCHRUN, WORKERS, job, kill_all, losses_by_step, run_ok, tensors, worker_env, write_tiny_job
+from conftest import (
+    ROOT,
+    TORCHRUN,
+    WORKERS,
+    descendants,
+    job,
+    kill_all,
+    losses_by_step,
+    run_ok,
+    run_process,
+    tensors,
+    worker_env,
+    write_tiny_job,
+)
 
 import train
 
@@ -38,10 +52,15 @@ except RuntimeError:
     assert proc.returncode == 0 and proc.stdout == "reported\n", (proc.returncode, proc.stderr[-2000:])
 
 
-def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(tiny_model_dir, tmp_path):
+def test_a_plain_python_run_prints_its_stacks_on_sigusr1_and_on_sigterm_saves_and_exits_128_plus_sigterm(
+    tiny_model_dir, tmp_path
+):
     """`python train.py` without torchrun (a world of one) handles SIGTERM as the ranks do: it finishes the step,
-    saves, says so in one line and exits with the status of a process killed by SIGTERM."""
-    config = write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, max_steps=500, log_every=1, save_every=1000)
+    saves, says so in one line and exits with the status of a process killed by SIGTERM. Before that, SIGUSR1 to
+    it and its data worker has each print its threads' stacks, and training goes on."""
+    config = write_tiny_job(
+        tmp_path / "job.yaml", tiny_model_dir, max_steps=500, log_every=1, save_every=1000, num_workers=1
+    )
     command = [sys.executable, "train.py", "--config", str(config), "--output_dir", str(tmp_path / "out")]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -49,10 +68,16 @@ def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(
     deadline = threading.Timer(180, proc.kill)  # a stop that hangs fails the test instead of stalling the suite
     deadline.start()
     try:
-        lines = []
+        lines, steps = [], 0
         for line in proc.stdout:  # the first step's log line: training has started
             lines.append(line)
-            if line.startswith("step "):
+            steps += line.startswith("step ")
+            if steps == 1 and line.startswith("step "):
+                worker = list(descendants(proc.pid))
+                for pid in [proc.pid, *worker]:  # one after the other: their stacks share the pipe
+                    os.kill(pid, signal.SIGUSR1)
+                    time.sleep(1)
+            elif steps == 2:  # a step after the stacks: SIGUSR1 did not end it
                 proc.send_signal(signal.SIGTERM)
                 break
         lines += proc.stdout.readlines()
@@ -62,6 +87,10 @@ def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(
         if proc.poll() is None:
             proc.kill()
     output = "".join(lines)
+    assert len(worker) == 1, worker  # the data worker
+    # every thread of each: the rank's run-lock thread (its main thread may be deeper than the 100 frames shown),
+    # and the worker's loop
+    assert "in refresh" in output and "in _worker_loop" in output, output[-3000:]
     assert status == 128 + signal.SIGTERM, output[-3000:]
     stopped = re.search(r"^stopped by SIGTERM after step (\d+); the newest checkpoint is .*step_", lines[-1])
     assert stopped, output[-3000:]
@@ -71,7 +100,7 @@ def test_a_plain_python_run_stopped_by_sigterm_saves_and_exits_128_plus_sigterm(
 def restarting(config, fault, restarts=1):
     """fault_worker.py under torchrun with --max-restarts: (exit status, stdout and stderr)."""
     command = [*TORCHRUN, f"--max-restarts={restarts}", str(WORKERS / "fault_worker.py"), str(config), fault]
-    proc = subprocess.run(command, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = run_process(command, cwd=ROOT, env=worker_env(), timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -175,3 +204,15 @@ def test_workers_exit_when_their_launcher_is_killed(tiny_model_dir, tmp_path, ou
     assert launcher.returncode == -signal.SIGKILL and gone_after < 5, said[-2000:]
     # A rank sees it and exits; the other sees it too, or first loses its peer in a collective: both stop.
     assert output == "closed" or "the launcher (pid " in said and "step 400/" not in said
+
+
+def test_a_command_still_running_at_its_timeout_fails_with_the_stacks_of_every_process_it_started():
+    """The tests' run_process: each process below the command (a forked one too) prints its stacks on SIGUSR1, as
+    train.py's ranks and data workers do; then all are killed, and the failure shows the stacks."""
+    sleeper = "import faulthandler, os, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+    sleeper += "os.fork()\ntime.sleep(300)"  # the forked child inherits the handler, as a DataLoader worker does
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="still ran after 5 s") as failure:
+        run_process(["bash", "-c", f"{sys.executable} -c '{sleeper}'; true"], timeout=5)
+    assert failure.value.msg.count('File "<string>", line 4 in <module>') == 2, failure.value.msg  # parent, child
+    assert time.monotonic() - started < 30 and not kill_all(sleeper.splitlines()[-1], 0)  # none left behind
