@@ -50,8 +50,9 @@ def run_process(command: list, timeout: float, **popen) -> subprocess.CompletedP
     except subprocess.TimeoutExpired:
         tree = descendants(proc.pid)
         for pid, command_line in tree.items():  # Python processes; not a launcher (torchrun), which SIGUSR1 would end
-            python = "python" in Path(command_line.partition(" ")[0]).name
-            if python and "torch.distributed.run" not in command_line and "torchrun" not in command_line:
+            argv = command_line.split()
+            launcher = "torch.distributed.run" in argv[:3] or "torchrun" in [Path(a).name for a in argv[:2]]
+            if argv and "python" in Path(argv[0]).name and not launcher:
                 signal_if_alive(pid, signal.SIGUSR1)
                 time.sleep(0.3)  # one after the other: their stacks share the pipes
         time.sleep(1)  # the last stacks are written before anything is killed

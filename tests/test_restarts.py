@@ -68,7 +68,7 @@ def test_a_plain_python_run_prints_its_stacks_on_sigusr1_and_on_sigterm_saves_an
     deadline = threading.Timer(180, proc.kill)  # a stop that hangs fails the test instead of stalling the suite
     deadline.start()
     try:
-        lines, steps = [], 0
+        lines, steps, worker = [], 0, None
         for line in proc.stdout:  # the first step's log line: training has started
             lines.append(line)
             steps += line.startswith("step ")
