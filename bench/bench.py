@@ -477,7 +477,7 @@ def cmd_profile(args) -> None:
     """The profile of a run made with --profile-from, summarised again from its trace.json.gz."""
     for run in map(Path, args.runs):
         print(run.name)
-        summarise_trace(trace_events(run), json.loads((run / "profile.json").read_text())["wall_ms"])
+        summarise_trace(trace_events(run), json.loads((run / "profile.json").read_text())["wall_ms"], args.shown)
 
 
 FULL_BLOCK = 0.95  # a step whose blocks are this full counts as full (a pack buffer's last block is far emptier)
@@ -770,6 +770,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="run directories (their metrics.jsonl)")
     p = sub.add_parser("profile")
     p.add_argument("runs", nargs="+", help="run directories made with --profile-from (their trace.json.gz)")
+    p.add_argument("--shown", type=int, default=15, help="the longest kernels and idle gaps shown")
     p = sub.add_parser("packing")
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--data", required=True)
