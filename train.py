@@ -91,7 +91,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
     param_dtype: str = resumable("bfloat16", "compute dtype of FSDP's all-gathered parameters")
     reduce_dtype: str = resumable("float32", "dtype gradients are reduce-scattered over ranks in")
     activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed, or auto (measured)")
-    compile: bool = resumable(True, "torch.compile the decoder layers' norms and MLPs (off for CPU runs)")
+    compile: bool = resumable(True, "torch.compile the layers' norms and MLPs, and the loss (off for CPU runs)")
     float8: bool = resumable(False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)")
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file; or several, mixed (README, "Data").
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
@@ -677,6 +677,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
             convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("rowwise"))
     if cfg.compile:
         compile_elementwise(layers)
+        model.compiled_softmax_gradient = torch.compile(softmax_gradient, dynamic=True)  # chunks of any length
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype))  # param, reduce
     for module in [*layers, model]:  # each decoder layer, then the root
@@ -748,39 +749,40 @@ def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
     hidden, head = model.model(**packed_inputs(block)).last_hidden_state[0], model.get_output_embeddings()
     targets = block["labels"][0, 1:]  # a block without loss tokens still runs HeadLoss, keeping FSDP's backward
     where = (targets != -100).nonzero().squeeze(1)  # hooks connected: an exact 0 loss
-    return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled())
+    loss_fn = getattr(model, "compiled_softmax_gradient", softmax_gradient)  # build_model's, with compile
+    return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled(), loss_fn)
+
+
+def softmax_gradient(logits: torch.Tensor, targets: torch.Tensor):  # rows' cross-entropy and its d / d logits
+    x, hit = logits.float(), torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+    lse = x.logsumexp(dim=1)  # compiled (build_model, GPUs): two passes over the logits, no fp32 copy of them
+    softmax = (x - lse[:, None]).exp()
+    return lse - x.gather(1, targets[:, None]).squeeze(1), torch.where(hit, softmax - 1, softmax).to(logits.dtype)
 
 
 class HeadLoss(torch.autograd.Function):
     """LM head and cross-entropy, gradients computed in the forward (no logits kept): every token must weigh alike."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool, loss_fn=softmax_gradient):
         losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         grad_hidden, grad_weight = (torch.empty_like(hidden), torch.zeros_like(weight)) if with_grads else (None, None)
-        for start in range(0, len(targets), chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            h, y = hidden[rows], targets[rows]
-            log_probs = (h @ weight.T).log_softmax(dim=1, dtype=torch.float32)  # 4 GB at 4,096 tokens x 248k vocabulary
-            losses[rows] = -log_probs.gather(1, y[:, None]).squeeze(1)
-            if with_grads:  # the caller's grad mode (forward itself runs without): off for evaluation
-                softmax = log_probs.exp_()  # in place: the same tensor
-                softmax[torch.arange(len(y), device=y.device), y] -= 1
-                grad_logits = softmax.to(hidden.dtype)
+        for start in range(0, len(targets), chunk_tokens):  # with_grads: the caller's grad mode (off: evaluation)
+            rows = slice(start, start + chunk_tokens)  # logits, and their gradient: 2 GB at 4,096 x 248k vocabulary
+            losses[rows], grad_logits = loss_fn(hidden[rows] @ weight.T, targets[rows])
+            if with_grads:
                 grad_hidden[rows] = grad_logits @ weight
-                grad_weight.addmm_(grad_logits.T, h)
-                del softmax, grad_logits
-            del log_probs  # before the next chunk allocates its own: the peak holds one chunk's tensors, not two
+                grad_weight.addmm_(grad_logits.T, hidden[rows])
+            del grad_logits  # before the next chunk allocates its own: the peak holds one chunk's tensors, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses):  # in place: no second copy of the head's gradient (2.5 GB for the 27B)
+    def backward(ctx, grad_losses):  # in place (2.5 GB less for the 27B): a second backward fails autograd's check
         grad_hidden, grad_weight = ctx.saved_tensors
         torch._assert_async((grad_losses == grad_losses[:1]).all(), "HeadLoss: every token's loss must weigh the same")
         scale = grad_losses[:1].sum()  # 0 when there are no loss tokens
-        # A second backward through this graph (retain_graph) fails autograd's saved-tensor check: no double scaling
-        return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), None, None, None
+        return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), *[None] * 4
 
 
 # ---- Optimizer and schedule --------------------------------------------------------------------------------------
@@ -794,13 +796,13 @@ def lr_factor(step: int, cfg: Config, total_steps: int) -> float:  # warmup, the
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def make_optimizer(model, cfg: Config, d: Dist, total_steps: int):  # AdamW with warmup and decay
+def make_optimizer(model, cfg: Config, total_steps: int):  # AdamW with warmup and decay
     trained, embedding = [p for p in model.parameters() if p.requires_grad], model.get_input_embeddings().weight
     decay = [p for p in trained if p.ndim >= 2 and p is not embedding]
     no_decay = [p for p in trained if p.ndim < 2 or p is embedding]  # norms, biases, A_log, dt_bias, embeddings
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas, fused = (cfg.adam_beta1, cfg.adam_beta2), d.device.type == "cuda"
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, fused=fused)
+    betas = (cfg.adam_beta1, cfg.adam_beta2)  # fused (CPUs too): one kernel, and it takes train_step's clipping
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
@@ -901,11 +903,11 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
         loss_sum = loss_sum if replaced is None else replaced
     if job.host_moments:  # back for the optimizer step; after a skipped one, for a save
         job.host_moments.to_device()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in job.model.parameters() if p.grad is not None])
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
-    if finite:
+    if finite:  # clipped as clip_grad_norm_ clips, by fused AdamW as it reads each gradient: one pass over them fewer
+        optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # the gradients' divisor
         optimizer.step()
         progress.bad_in_a_row = 0
     else:
@@ -973,7 +975,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
         total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
     else:
         total_steps, packing = cfg.max_steps or meta["total_steps"], None
-    optimizer, scheduler = make_optimizer(model, cfg, d, total_steps)
+    optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
     print0(d.rank, describe_model(model, config, cfg, d, attn, total_steps, ready_s))  # a resume's: its own line
@@ -1613,7 +1615,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
         self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
-        self.kept, self.retries, self.clean_steps, self.watching = None, 0, 0, True
+        self.kept, self.retries, self.clean_steps, self.watching, self.growing = None, 0, 0, True, False
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
         for i, layer in enumerate(self.layers):  # measured inside them: the recomputation too, FSDP's all-gathers not
             layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
@@ -1649,18 +1651,13 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
                 line += f" short of room for AdamW's moments ({moments / 2**30:.1f} GiB): they leave the GPU for each"
                 print0(job.d.rank, f"activation_checkpointing auto: {line} forward and backward, to pinned host memory")
             torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
-        elif self.kept is None:  # step 2: its peak is the baseline; the layers saving the most time per byte are kept
-            d, gib, n, peak = job.d, 2**30, len(self.layers), torch.cuda.max_memory_allocated()
-            costs = all_reduced([*self.bytes, *self.seconds], d, dist.ReduceOp.MAX, torch.float64)
-            sizes, seconds = costs[:n].tolist(), costs[n:].tolist()
-            self.kept = layers_to_keep(sizes, seconds, self.room(peak))
-            for i in self.kept:
-                self.layers[i].gradient_checkpointing = False
-            self.retries, kept = alloc_retries(), sum(sizes[i] for i in self.kept)
-            each = f"{sum(sizes) / n / gib:.2f} GiB and {1e3 * sum(seconds) / n:.0f} ms of recomputation per layer"
-            line = f"activation_checkpointing auto: keeping the activations of {len(self.kept)} of {n} layers"
-            line += f" {sorted(self.kept)} ({kept / gib:.1f} GiB; measured {each}), recomputing the rest; expected peak"
-            print0(d.rank, f"{line} {(peak + kept) / gib:.1f} GiB of {self.limit / gib:.1f}")
+        elif self.kept is None:  # step 2's peak, every layer recomputed, is the baseline: the watch keeps layers
+            costs = all_reduced([*self.bytes, *self.seconds], job.d, dist.ReduceOp.MAX, torch.float64)
+            (self.sizes, self.seconds), n = costs.view(2, -1).tolist(), len(self.layers)
+            self.kept, self.retries, self.growing = [], alloc_retries(), True
+            each = f"{sum(self.sizes) / n / 2**30:.2f} GiB and {1e3 * sum(self.seconds) / n:.0f} ms per layer"
+            print0(job.d.rank, f"activation_checkpointing auto: recomputation measured, {each}")
+            self.watch()
         else:
             self.watching = not self.watch()
 
@@ -1670,16 +1667,19 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         usable = min(free + torch.cuda.memory_reserved(), self.limit)
         return all_reduced(usable - unplanned * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
 
-    def watch(self) -> bool:
-        retries = alloc_retries()  # after allocator retries, the kept layer saving the least per byte is recomputed
-        new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX)
-        self.retries, self.clean_steps = retries, self.clean_steps + 1
-        if new.item() and self.kept:
-            layer, self.clean_steps = self.kept.pop(), 0
-            self.layers[layer].gradient_checkpointing = True
-            line = f"activation_checkpointing auto: step {self.job.progress.step} retried {new.item()} allocations:"
-            line += f" recomputing layer {layer} again, keeping {len(self.kept)} {sorted(self.kept)}"
-            print0(self.job.d.rank, line)
+    def watch(self) -> bool:  # each step: retries give back a kept layer; room left beside the peak keeps more
+        retries, peak = alloc_retries(), torch.cuda.max_memory_allocated()  # a peak measured, then the sizes (high)
+        new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX).item()
+        self.retries, self.clean_steps, line = retries, self.clean_steps + 1, f"step {self.job.progress.step}"
+        if new and self.kept:  # after allocator retries, the kept layer saving the least per byte is recomputed
+            layer, self.clean_steps, self.growing = self.kept.pop(), 0, False
+            line += f" retried {new} allocations: recomputing layer {layer} again, keeping {sorted(self.kept)}"
+        elif self.growing and (more := layers_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
+            self.kept, self.clean_steps, gib = self.kept + more, 0, 2**30
+            line += f" peaked at {peak / gib:.1f} of {self.limit / gib:.1f} GiB: keep {more}: {sorted(self.kept)}"
+        for i, layer in enumerate(self.layers):  # the kept layers' activations stay, the others' are recomputed
+            layer.gradient_checkpointing = i not in self.kept
+        print0(self.job.d.rank, f"activation_checkpointing auto: {line}") if self.clean_steps == 0 else None
         return self.clean_steps >= 10  # ten steps in a row without an allocator retry end the watch
 
 
@@ -1716,13 +1716,13 @@ class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each f
         self.on_host = False
 
 
-def layers_to_keep(sizes: list[float], seconds: list[float], room: float) -> list[int]:
-    kept = []  # the layers whose activations to keep, the most recompute time saved per byte first, while room lasts
+def layers_to_keep(sizes: list[float], seconds: list[float], room: float, kept=()) -> list[int]:
+    more = []  # the layers to keep beside those kept, the most recompute time saved per byte first, while room lasts
     for i in sorted(range(len(sizes)), key=lambda i: -seconds[i] / max(sizes[i], 1)):
-        if sizes[i] <= room:
-            kept.append(i)
+        if i not in kept and sizes[i] <= room:
+            more.append(i)
             room -= sizes[i]
-    return kept
+    return more
 
 
 def alloc_retries() -> int:

@@ -228,7 +228,7 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
         assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.dtype == getattr(torch, master)
     policy = layers[0]._get_fsdp_state()._mp_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    optimizer, _ = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    optimizer, _ = train.make_optimizer(model, cfg, total_steps=10)
     train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
     losses = model.token_losses(train.make_block([([5, 6, 7, 8], [False, True, True, True])], 6, 0))
     losses.sum().backward()
@@ -243,7 +243,7 @@ def test_weight_decay_skips_vectors_and_embeddings(world_of_one, tmp_path):
     source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
     cfg = train.Config(model_name=str(source), weight_decay=0.1, compile=False)
     model = train.build_model(train.model_config(source), cfg, "sdpa", world_of_one.device)
-    optimizer, _ = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    optimizer, _ = train.make_optimizer(model, cfg, total_steps=10)
     names = {id(p): n for n, p in model.named_parameters()}
     (decayed, decay), (kept, no_decay) = (
         (sorted(names[id(p)] for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups
@@ -276,7 +276,7 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     model = train.build_model(config, cfg, "sdpa", world_of_one.device)
     frozen = sorted({n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad})
     assert frozen == ["visual"] and all(p.requires_grad for p in model.get_decoder().parameters())
-    optimizer, scheduler = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+    optimizer, scheduler = train.make_optimizer(model, cfg, total_steps=10)
     train.load_pretrained(model, source, train.checkpoint_dtypes(source))
     ids = torch.arange(3, 40)[None]
     model(input_ids=ids, labels=ids).loss.backward()  # one sequence: no packed signals, no kernels needed
@@ -301,7 +301,7 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     checkpointer.finish()
 
     fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
-    fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, world_of_one, total_steps=10)
+    fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, total_steps=10)
     path = train.complete_checkpoints(cfg)[-1]
     meta = train.checkpoint_meta(path)
     resumed = train.resume_progress(path, meta, cfg, world_of_one)

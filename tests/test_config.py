@@ -164,3 +164,4 @@ def test_auto_recompute_keeps_the_most_time_saved_per_byte_that_fits():
     assert train.layers_to_keep(sizes, seconds, room=15.5 * gib) == [1, 2]  # 3 does not fit after 1; 2 does
     assert train.layers_to_keep(sizes, seconds, room=100 * gib) == [1, 3, 2, 0]  # in that order
     assert train.layers_to_keep(sizes, seconds, room=-gib) == []  # the first step's peak already too close
+    assert train.layers_to_keep(sizes, seconds, room=100 * gib, kept=[3, 2]) == [1, 0]  # beside those kept

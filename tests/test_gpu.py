@@ -289,20 +289,27 @@ def test_hybrid_leak_variants(models, examples, tokenizer, device):
     assert numbers["one_sequence_mean"] > 3 * base_mean
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_token_losses_equal_plain_cross_entropy_over_full_logits(kind, models, examples, tokenizer, device):
+def test_token_losses_equal_plain_cross_entropy_over_full_logits(kind, compiled, models, examples, tokenizer, device):
     """The chunked, loss-positions-only LM head (chunk 7, so many chunks) against the model's own forward with
-    full logits and F.cross_entropy, on the packed block in bf16: values and gradients."""
+    full logits and F.cross_entropy, on the packed block in bf16: values and gradients; its softmax gradient eager,
+    and compiled as build_model compiles it."""
     fast, _ = models(kind)
     block = on(device, packed_block(examples, pad_id(tokenizer)))
     fast.zero_grad(set_to_none=True)
+    if compiled:
+        fast.compiled_softmax_gradient = torch.compile(train.softmax_gradient, dynamic=True)
     chunked = train.token_losses(fast, block, chunk_tokens=7)
+    if compiled:
+        del fast.compiled_softmax_gradient
     logits = fast(**train.packed_inputs(block)).logits
     targets = block["labels"][0, 1:]
     keep = targets != -100
     plain = F.cross_entropy(logits[0, :-1][keep].float(), targets[keep], reduction="none")
     mean, worst = stats(chunked, plain)
-    report(f"{kind}_token_losses_vs_full_logits", loss_mean_abs=mean, loss_max_abs=worst)
+    name = f"{kind}{'_compiled' if compiled else ''}_token_losses_vs_full_logits"
+    report(name, loss_mean_abs=mean, loss_max_abs=worst)
     assert chunked.shape == plain.shape
     assert mean <= 5e-3 and worst <= 5e-2  # one bf16 rounding of the logits, from differently shaped matmuls
     chunked.sum().backward()
@@ -313,7 +320,7 @@ def test_token_losses_equal_plain_cross_entropy_over_full_logits(kind, models, e
     diff = sum(float((grads[n] - p.grad.float()).norm() ** 2) for n, p in fast.named_parameters() if n in grads) ** 0.5
     missing = [n for n, p in fast.named_parameters() if p.grad is not None and n not in grads]
     fast.zero_grad(set_to_none=True)
-    report(f"{kind}_token_losses_vs_full_logits_grads", grad_rel_err=diff / total)
+    report(f"{name}_grads", grad_rel_err=diff / total)
     assert not missing and diff <= 0.1 * total  # bf16 noise is a few %; a wrong shift or a lost chunk is O(1)
 
 

@@ -338,7 +338,7 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
     def three_steps(away: bool):
         model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
         train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
-        optimizer, scheduler = train.make_optimizer(model, cfg, world_of_one, total_steps=10)
+        optimizer, scheduler = train.make_optimizer(model, cfg, total_steps=10)
         freed, buffers = [], []
 
         def after_backward(step, model, loss_sum, blocks):
@@ -370,3 +370,68 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
     assert len(away[4][1]) == n and all(a is b for a, b in zip(away[4][1], away[4][2]))  # the same buffers
     assert all(m.abs().sum() > 0 for m in away[2]) and len(away[2]) == n
     assert all(a.equal(b) for a, b in zip(kept[1] + kept[2], away[1] + away[2]))
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
+def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, examples, world_of_one, max_grad_norm):
+    """train_step leaves the clipping to fused AdamW (its grad_scale divides each gradient as it is read): three steps,
+    every one clipped (max_grad_norm 1e-3) or none (1e3), give the weights that clip_grad_norm_ and an unfused AdamW
+    give from the same start. Unclipped, the first case's weights are far from them: the check can fail."""
+    cfg = train.Config(model_name=str(tiny_model_dir), compile=False, max_grad_norm=max_grad_norm, learning_rate=1e-2)
+    blocks = [train.make_block([example], len(example[0]), 0) for example in examples[:3]]
+    weights = {}
+    for how in ("train_step", "clip_grad_norm_", "unclipped"):
+        torch.manual_seed(0)
+        model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+        train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+        optimizer, scheduler = train.make_optimizer(model, cfg, total_steps=3)
+        job = train.Job(cfg, world_of_one, model, optimizer, scheduler, 3, train.Progress(), {})
+        for block in blocks:
+            if how == "train_step":
+                assert train.train_step(job, [block]).loss_sum is not None
+                continue
+            for group in optimizer.param_groups:
+                group["fused"] = False  # the reference: torch's for-loop AdamW, after clip_grad_norm_ or nothing
+            (model.token_losses(block).sum() / block["loss_tokens"]).backward()
+            if how == "clip_grad_norm_":
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
+            optimizer.step(), scheduler.step(), optimizer.zero_grad()
+        weights[how] = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+    moved = (weights["clip_grad_norm_"] - weights["train_step"]).abs().max()
+    unclipped = (weights["clip_grad_norm_"] - weights["unclipped"]).abs().max()
+    assert moved <= 1e-6, moved
+    assert unclipped > 100 * 1e-6 if max_grad_norm < 1 else unclipped <= 1e-6, unclipped
+
+
+def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
+    tiny_model_dir, monkeypatch, world_of_one, capsys
+):
+    """From step 2 on, each step keeps the recomputed layers that room beside the peak measured so far allows (each
+    kept layer's whole size added to a peak overestimates: a kept layer's activations are gone by the end of backward,
+    where the fp32 gradients peak), until a step retries an allocation, which gives one back and ends the growing.
+    (CUDA's memory counters are faked: 2 layers of 100 bytes, a GPU of 10,000.)"""
+    peaks, counter = iter([8_750, 8_850, 0]), iter([0, 1, 1])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10_000, 10_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.get_decoder().layers
+    assert len(layers) == 2
+    job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 3})()})()
+    job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
+    probe = train.RecomputeProbe(job)
+    probe.kept, probe.sizes, probe.seconds, probe.growing = [1], [100.0, 100.0], [1.0, 2.0], True
+    layers[1].gradient_checkpointing = False
+    recomputed = []
+    for _ in range(3):
+        probe.watch()
+        recomputed.append([i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
+    # 10,000 - 10% unplanned - 8,750 leaves 250: layer 0 is kept; the next step retries, so it is recomputed again,
+    # and a step with all the room in the world keeps nothing more
+    assert recomputed == [[], [0], [0]] and probe.kept == [1] and not probe.growing
+    out = capsys.readouterr().out
+    assert "step 3 peaked at 0.0 of 0.0 GiB: keep [0]: [0, 1]" in out
+    assert "step 3 retried 1 allocations: recomputing layer 0 again, keeping [1]" in out

@@ -18,7 +18,7 @@ cfg = train.Config(model_name=model_dir, model_revision="", param_dtype="float32
 config = train.model_config(Path(model_dir))
 model = train.build_model(config, cfg, "sdpa", d.device)
 train.load_pretrained(model, Path(model_dir), train.checkpoint_dtypes(Path(model_dir)))
-optimizer, scheduler = train.make_optimizer(model, cfg, d, total_steps=1)
+optimizer, scheduler = train.make_optimizer(model, cfg, total_steps=1)
 per_rank = json.loads(Path(blocks_file).read_text())
 blocks = [train.make_block(segments, length, pad_id=0) for segments, length in per_rank[d.rank]]
 grads = {}
