@@ -907,7 +907,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
     if finite:  # clipped as clip_grad_norm_ clips, by fused AdamW as it reads each gradient: one pass over them fewer
-        optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # the gradients' divisor
+        optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # their divisor
         optimizer.step()
         progress.bad_in_a_row = 0
     else:

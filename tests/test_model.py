@@ -435,3 +435,17 @@ def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
     out = capsys.readouterr().out
     assert "step 3 peaked at 0.0 of 0.0 GiB: keep [0]: [0, 1]" in out
     assert "step 3 retried 1 allocations: recomputing layer 0 again, keeping [1]" in out
+
+
+def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, world_of_one):
+    """With master_dtype bfloat16 (the seed's all-bf16 mode) the gradient norm is bf16; fused AdamW takes its clip
+    factor in fp32 only: a step that clips runs and moves the weights."""
+    cfg = train.Config(model_name=str(tiny_model_dir), compile=False, master_dtype="bfloat16", max_grad_norm=1e-3)
+    model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+    train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+    optimizer, scheduler = train.make_optimizer(model, cfg, total_steps=1)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    job = train.Job(cfg, world_of_one, model, optimizer, scheduler, 1, train.Progress(), {})
+    stats = train.train_step(job, [train.make_block([examples[0]], len(examples[0][0]), 0)])
+    assert stats.loss_sum is not None and stats.grad_norm > cfg.max_grad_norm
+    assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
