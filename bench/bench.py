@@ -291,13 +291,9 @@ def cmd_seed(args) -> None:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def cmd_layers(args) -> None:
-    """Activation memory per decoder layer at one block length, on one GPU, for the memory arithmetic of
-    docs/BENCHMARKS.md: a 2-layer model of the geometry (one Gated DeltaNet layer, one gated full-attention
-    layer) in bf16, the recipe's packing of the real data into one block, the recipe's token_losses. For each of
-    eager / compiled (train.compile_elementwise) x recomputed / kept: what each layer's forward leaves allocated
-    until backward (forward hooks around it), the peak of forward + backward over what was allocated before,
-    and the time of forward + backward. Then the LM head's chunked loss alone at several loss_chunk_tokens."""
+def two_layer_model(args):
+    """A 2-layer model of the geometry (one Gated DeltaNet layer, one gated full-attention layer) in bf16 on the GPU,
+    training, with the recipe's token_losses; and one block of the data (--data) packed as the recipe packs it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -326,7 +322,22 @@ def cmd_layers(args) -> None:
         pack_buffer_blocks=4,
     )
     tokenizer = train.load_tokenizer(cfg)
-    block = train.to_device(next(iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1))), device)
+    return model, train.to_device(next(iter(train.block_loader(cfg, tokenizer, "train", 0, 1, 1))), device)
+
+
+def cmd_layers(args) -> None:
+    """Activation memory per decoder layer at one block length, on one GPU, for the memory arithmetic of
+    docs/BENCHMARKS.md: a 2-layer model of the geometry (one Gated DeltaNet layer, one gated full-attention
+    layer) in bf16, the recipe's packing of the real data into one block, the recipe's token_losses. For each of
+    eager / compiled (train.compile_elementwise) x recomputed / kept: what each layer's forward leaves allocated
+    until backward (forward hooks around it), the peak of forward + backward over what was allocated before,
+    and the time of forward + backward. Then the LM head's chunked loss alone at several loss_chunk_tokens."""
+    import torch
+
+    import train
+
+    model, block = two_layer_model(args)
+    config, device = model.config, torch.device("cuda")
     layers = model.model.layers
     kinds = [layer.block_type for layer in layers]
     state_bytes = {k: sum(p.numel() for p in layer.parameters()) * 16 for k, layer in zip(kinds, layers)}

@@ -49,31 +49,10 @@ def timed(fn, repeat: int = 3):
 
 
 def cmd_sublayers(args) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from bench import two_layer_model
 
-    from bench import lift_fla_hopper_guard
-
-    lift_fla_hopper_guard()
-    device = torch.device("cuda")
-    attn = train.resolve_attention(args.attn, device)
-    config = AutoConfig.from_pretrained(args.model_config).get_text_config()
-    config.num_hidden_layers, config.layer_types, config.use_cache = 2, ["linear_attention", "full_attention"], False
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
-    model.train()
+    model, block = two_layer_model(args)  # as bench.py layers builds it
     train.compile_elementwise(model.model.layers)
-    cfg = train.Config(
-        model_name=args.model_config,
-        model_revision="",
-        tokenizer_name=args.tokenizer,
-        dataset_name=args.data,
-        dataset_split="train",
-        max_seq_len=args.seq_len,
-        num_workers=0,
-        pack_buffer_blocks=4,
-        compile=True,
-    )
-    block = train.to_device(next(iter(train.block_loader(cfg, train.load_tokenizer(cfg), "train", 0, 1, 1))), device)
     inputs = train.packed_inputs(block)
     layers = model.model.layers
     # Each layer alone, forward + backward of its output's sum, under four recomputation choices; its arguments as
