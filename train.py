@@ -987,7 +987,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
             checkpoints = Checkpointer(job, log)
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
             # First the watch, whose at_end gives the final save, eval and export the long timeout
-            operations = [watch, log, probe, checkpoints, evaluator]  # the probe: step 2's peak before a save or eval
+            operations = [watch, log, probe, checkpoints, evaluator]  # the probe: a step's peak before a save or eval
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
         export = export_hf(model, tokenizer, source, source_dtypes, cfg, d) if cfg.export else None
@@ -1610,7 +1610,7 @@ def recompute_is_measured(cfg, device: torch.device) -> bool:
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
-class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer, step 2 keeps what memory allows
+class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer, later steps keep what fits
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
@@ -1635,7 +1635,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # without early stop, which ends a recomputation
             return checkpoint_func(measured, *args)  # before the forward returns (read per call: nothing outlives it)
 
-    def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, step 2 decides, then it watches
+    def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, then each step watches, from step 2
         if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
@@ -1668,15 +1668,15 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         return all_reduced(usable - unplanned * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
 
     def watch(self) -> bool:  # each step: retries give back a kept layer; room left beside the peak keeps more
-        retries, peak = alloc_retries(), torch.cuda.max_memory_allocated()  # a peak measured, then the sizes (high)
-        new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX).item()
-        self.retries, self.clean_steps, line = retries, self.clean_steps + 1, f"step {self.job.progress.step}"
-        if new and self.kept:  # after allocator retries, the kept layer saving the least per byte is recomputed
-            layer, self.clean_steps, self.growing = self.kept.pop(), 0, False
-            line += f" retried {new} allocations: recomputing layer {layer} again, keeping {sorted(self.kept)}"
+        retries, peak, step = alloc_retries(), torch.cuda.max_memory_allocated(), self.job.progress.step
+        new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX).item()  # any rank's retries
+        self.retries, self.clean_steps, self.growing = retries, self.clean_steps + 1, self.growing and not new
+        if new and self.kept:  # after allocator retries the layer kept last is recomputed again, and no more kept
+            layer, self.clean_steps = self.kept.pop(), 0
+            line = f"step {step}: {new} allocation retries, recomputing layer {layer} again; kept {sorted(self.kept)}"
         elif self.growing and (more := layers_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
-            self.kept, self.clean_steps, gib = self.kept + more, 0, 2**30
-            line += f" peaked at {peak / gib:.1f} of {self.limit / gib:.1f} GiB: keep {more}: {sorted(self.kept)}"
+            self.kept, self.clean_steps = self.kept + more, 0  # a measured peak, plus sizes that err high
+            line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {more} too: {sorted(self.kept)} kept"
         for i, layer in enumerate(self.layers):  # the kept layers' activations stay, the others' are recomputed
             layer.gradient_checkpointing = i not in self.kept
         print0(self.job.d.rank, f"activation_checkpointing auto: {line}") if self.clean_steps == 0 else None

@@ -433,8 +433,8 @@ def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
     # and a step with all the room in the world keeps nothing more
     assert recomputed == [[], [0], [0]] and probe.kept == [1] and not probe.growing
     out = capsys.readouterr().out
-    assert "step 3 peaked at 0.0 of 0.0 GiB: keep [0]: [0, 1]" in out
-    assert "step 3 retried 1 allocations: recomputing layer 0 again, keeping [1]" in out
+    assert "step 3: peak 0.0 GiB, room for [0] too: [0, 1] kept" in out
+    assert "step 3: 1 allocation retries, recomputing layer 0 again; kept [1]" in out
 
 
 def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, world_of_one):
@@ -449,3 +449,25 @@ def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, worl
     stats = train.train_step(job, [train.make_block([examples[0]], len(examples[0][0]), 0)])
     assert stats.loss_sum is not None and stats.grad_norm > cfg.max_grad_norm
     assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+def test_auto_recompute_stops_keeping_layers_after_retries_even_with_none_kept(
+    tiny_model_dir, monkeypatch, world_of_one
+):
+    """Allocator retries in a step that keeps nothing yet still end the growing: the next step, with all the room in
+    the world, keeps no layer."""
+    counter = iter([1, 1])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10_000, 10_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 2})()})()
+    job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
+    probe = train.RecomputeProbe(job)
+    probe.kept, probe.sizes, probe.seconds, probe.growing = [], [100.0, 100.0], [1.0, 2.0], True
+    probe.watch(), probe.watch()
+    assert probe.kept == [] and not probe.growing
+    assert all(layer.gradient_checkpointing for layer in model.get_decoder().layers)
