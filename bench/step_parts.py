@@ -4,10 +4,9 @@ choose the next lever before it goes into train.py. docs/BENCHMARKS.md has what 
 
   sublayers --model-config DIR --tokenizer DIR --data FILE --seq-len N --out FILE
       a 2-layer model of the geometry (one Gated DeltaNet layer, one gated full-attention layer), bf16, compiled as
-      the recipe compiles it, one packed block of the real data: for each part of each layer (the norm before the
-      token mixer, the mixer, the norm before the MLP, the MLP) what its forward leaves allocated for backward and
-      its forward time; then each layer's forward + backward time and peak with nothing recomputed, the whole layer
-      recomputed, the mixer only, the MLP only
+      the recipe compiles it, one packed block of the real data: each layer's forward + backward time, what its
+      forward leaves allocated for backward, and its peak, with nothing recomputed, the whole layer recomputed, its
+      token mixer only (Gated DeltaNet or attention), its MLP only
   head --seq-len N --loss-fraction F
       the LM head and its loss on F * N loss tokens (the geometry's 248,320 x 5,120 head): train.HeadLoss with
       train.softmax_gradient eager and compiled (as build_model compiles it), time and peak
@@ -164,7 +163,7 @@ def cmd_adamw(args) -> None:
 
     def norm_into_step():
         norm = torch.nn.utils.get_total_norm(grads)
-        optimizer.grad_scale = (norm / 1.0).clamp(min=1.0)
+        optimizer.grad_scale = ((norm + 1e-6) / 1.0).clamp(min=1.0)  # as train_step sets it
         optimizer.step()
         del optimizer.grad_scale
 

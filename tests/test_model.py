@@ -403,38 +403,55 @@ def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, e
     assert unclipped > 100 * 1e-6 if max_grad_norm < 1 else unclipped <= 1e-6, unclipped
 
 
-def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
-    tiny_model_dir, monkeypatch, world_of_one, capsys
-):
-    """From step 2 on, each step keeps the recomputed layers that room beside the peak measured so far allows (each
-    kept layer's whole size added to a peak overestimates: a kept layer's activations are gone by the end of backward,
-    where the fp32 gradients peak), until a step retries an allocation, which gives one back and ends the growing.
-    (CUDA's memory counters are faked: 2 layers of 100 bytes, a GPU of 10,000.)"""
-    peaks, counter = iter([8_750, 8_850, 0]), iter([0, 1, 1])
+def growing_probe(tiny_model_dir, monkeypatch, world_of_one, peaks: list, retries: list, kept: list):
+    """A RecomputeProbe growing at step 3 of a 2-layer model, from the layers kept: each layer 100 bytes (1 s and 2 s
+    of recomputation), a GPU of 10,000 bytes; CUDA's peak and retry count faked, the next of each list per step."""
+    peaks, retries = iter(peaks), iter(retries)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(retries)})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10_000, 10_000))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    layers = model.get_decoder().layers
-    assert len(layers) == 2
+    assert len(model.get_decoder().layers) == 2
     job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 3})()})()
     job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
     probe = train.RecomputeProbe(job)
-    probe.kept, probe.sizes, probe.seconds, probe.growing = [1], [100.0, 100.0], [1.0, 2.0], True
-    layers[1].gradient_checkpointing = False
+    probe.kept, probe.sizes, probe.seconds, probe.growing = kept, [100.0, 100.0], [1.0, 2.0], True
+    for i, layer in enumerate(model.get_decoder().layers):
+        layer.gradient_checkpointing = i not in kept
+    return probe
+
+
+def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
+    tiny_model_dir, monkeypatch, world_of_one, capsys
+):
+    """From step 2 on, each step keeps the recomputed layers that room beside the peak measured so far allows (each
+    kept layer's whole size added to a peak overestimates: a kept layer's activations are gone by the end of backward,
+    where the fp32 gradients peak), until a step retries an allocation, which gives one back and ends the growing."""
+    probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [8_750, 8_850, 0], [0, 1, 1], kept=[1])
     recomputed = []
     for _ in range(3):
         probe.watch()
-        recomputed.append([i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
+        recomputed.append([i for i, layer in enumerate(probe.layers) if layer.gradient_checkpointing])
     # 10,000 - 10% unplanned - 8,750 leaves 250: layer 0 is kept; the next step retries, so it is recomputed again,
     # and a step with all the room in the world keeps nothing more
     assert recomputed == [[], [0], [0]] and probe.kept == [1] and not probe.growing
     out = capsys.readouterr().out
     assert "step 3: peak 0.0 GiB, room for [0] too: [0, 1] kept" in out
     assert "step 3: 1 allocation retries, recomputing layer 0 again; kept [1]" in out
+
+
+def test_auto_recompute_stops_keeping_layers_after_retries_even_with_none_kept(
+    tiny_model_dir, monkeypatch, world_of_one
+):
+    """Allocator retries in a step that keeps nothing yet still end the growing: the next step, with all the room in
+    the world, keeps no layer."""
+    probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [0, 0], [1, 1], kept=[])
+    probe.watch(), probe.watch()
+    assert probe.kept == [] and not probe.growing
+    assert all(layer.gradient_checkpointing for layer in probe.layers)
 
 
 def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, world_of_one):
@@ -449,25 +466,3 @@ def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, worl
     stats = train.train_step(job, [train.make_block([examples[0]], len(examples[0][0]), 0)])
     assert stats.loss_sum is not None and stats.grad_norm > cfg.max_grad_norm
     assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
-
-
-def test_auto_recompute_stops_keeping_layers_after_retries_even_with_none_kept(
-    tiny_model_dir, monkeypatch, world_of_one
-):
-    """Allocator retries in a step that keeps nothing yet still end the growing: the next step, with all the room in
-    the world, keeps no layer."""
-    counter = iter([1, 1])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10_000, 10_000))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 2})()})()
-    job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
-    probe = train.RecomputeProbe(job)
-    probe.kept, probe.sizes, probe.seconds, probe.growing = [], [100.0, 100.0], [1.0, 2.0], True
-    probe.watch(), probe.watch()
-    assert probe.kept == [] and not probe.growing
-    assert all(layer.gradient_checkpointing for layer in model.get_decoder().layers)
