@@ -764,7 +764,7 @@ class HeadLoss(torch.autograd.Function):
     """LM head and cross-entropy, gradients computed in the forward (no logits kept): every token must weigh alike."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool, loss_fn=softmax_gradient):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool, loss_fn):
         losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         grad_hidden, grad_weight = (torch.empty_like(hidden), torch.zeros_like(weight)) if with_grads else (None, None)
         for start in range(0, len(targets), chunk_tokens):  # with_grads: the caller's grad mode (off: evaluation)
