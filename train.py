@@ -57,7 +57,6 @@ import yaml
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -145,6 +144,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
 Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
+STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop (stop_requested)
 
 
 def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's (or a notebook decorator's) group
@@ -319,8 +319,7 @@ def parsed_arguments(call):  # its arguments as a mapping, without None values (
         return call
     arguments = function.get("arguments")
     arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    if isinstance(arguments, dict):
-        arguments = {k: v for k, v in arguments.items() if v is not None}
+    arguments = {k: v for k, v in arguments.items() if v is not None} if isinstance(arguments, dict) else arguments
     function = {**function, "arguments": arguments}
     return {**call, "function": function} if "function" in call else function
 
@@ -400,8 +399,7 @@ class AssistantMasker:
             before, found, rest = rest.partition(holder)
             if not found or not text.startswith(before, pos):
                 raise Skip("template renders content-dependently")
-            pos += len(before)
-            after = rest.split("\ue000", 1)[0]  # skeleton text up to the next placeholder
+            pos, after = pos + len(before), rest.split("\ue000", 1)[0]  # skeleton text up to the next placeholder
             value = next((v for v in (value, value.strip()) if text.startswith(v + after, pos)), None)
             if value is None:  # neither as given nor stripped (as many templates trim)
                 raise Skip("template renders content-dependently")
@@ -549,9 +547,8 @@ class PackedBlocks(IterableDataset):  # `epochs` passes over this rank's shard (
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         slot = (worker_id + self.next_slot) % num_workers
         shard, num_shards = self.rank * num_workers + slot, self.world_size * num_workers
-        masker, pad_id = AssistantMasker(self.tok), pad_token_id(self.tok)
         at = self.streams.get(slot, StreamPosition(slot, 0, 0, 0, {}, {}))
-        counts = Counter(at.counts_at_start)
+        masker, pad_id, counts = AssistantMasker(self.tok), pad_token_id(self.tok), Counter(at.counts_at_start)
         for epoch in range(at.epoch, self.epochs):
             first, n_buffer, skip = (at.record, at.buffer, at.taken) if epoch == at.epoch else (0, 0, 0)
             carried = tuple(at.carried) if epoch == at.epoch else ()
@@ -678,7 +675,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     if cfg.compile:
         compile_elementwise(layers)
         model.compiled_softmax_gradient = torch.compile(softmax_gradient, dynamic=True)  # chunks of any length
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype))  # param, reduce
     for module in [*layers, model]:  # each decoder layer, then the root
         fully_shard(module, mesh=mesh, mp_policy=policy)
@@ -876,9 +873,8 @@ def to_device(block: dict, device: torch.device) -> dict:
 def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Config, d: Dist, scale: float | None):
     """Forward (and backward of sum(CE) * scale) over n_micro blocks, fillers last: the detached loss sum."""
     loss_sum = torch.zeros((), device=d.device)
-    for i in range(n_micro):
-        block = to_device(blocks[i] if i < len(blocks) else filler, d.device)
-        losses = model.token_losses(block, cfg.loss_chunk_tokens)
+    for block in (blocks + [filler] * n_micro)[:n_micro]:  # this rank's blocks, then fillers
+        losses = model.token_losses(to_device(block, d.device), cfg.loss_chunk_tokens)
         if scale is not None:
             (losses.sum() * scale).backward()
         loss_sum += losses.detach().sum()
@@ -898,9 +894,8 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     if job.host_moments:
         job.host_moments.to_host()
     loss_sum = run_blocks(job.model, blocks, stats.max_blocks, job.filler, cfg, d, scale)
-    if job.step_hook:
-        replaced = job.step_hook(progress.step + 1, job.model, loss_sum, blocks)
-        loss_sum = loss_sum if replaced is None else replaced
+    if job.step_hook and (replaced := job.step_hook(progress.step + 1, job.model, loss_sum, blocks)) is not None:
+        loss_sum = replaced
     if job.host_moments:  # back for the optimizer step; after a skipped one, for a save
         job.host_moments.to_device()
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in job.model.parameters() if p.grad is not None])
@@ -917,8 +912,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     stats.lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
     job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    progress.step += 1
-    stats.loss_sum, stats.grad_norm = (loss_sum if finite else None), grad_norm
+    progress.step, stats.loss_sum, stats.grad_norm = progress.step + 1, (loss_sum if finite else None), grad_norm
     return stats
 
 
@@ -931,8 +925,7 @@ class Operation:  # what the loop drives, each at its own cadence; this one does
 
 def training_loop(job: Job, blocks, operations: list[Operation]) -> str:
     """Steps until total_steps; returns why it ended: done, exhausted, stopped (SIGTERM, any rank) or diverged."""
-    cfg, progress = job.cfg, job.progress
-    data = progress.blocks_of(blocks, cfg.num_workers)
+    cfg, progress, data = job.cfg, job.progress, job.progress.blocks_of(blocks, job.cfg.num_workers)
     job.model.train()
     while progress.step < job.total_steps:
         if stop_requested(job.d):  # before the step takes its blocks: a checkpoint resumes there
@@ -958,8 +951,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    # Steps: max_steps, a resume's, or counted while the weights load; a bad line is said once (counting, or streaming)
-    counted = not (cfg.max_steps or meta)
+    counted = not (cfg.max_steps or meta)  # max_steps, a resume's, or counted as the weights load; bad lines said once
     counting = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, 1, counting=True)) if counted else None
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
@@ -984,9 +976,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     with MetricsLog(cfg, d, model, packing) as log:
         evaluator = Evaluator(cfg, tokenizer, d, filler, log) if cfg.eval_split or cfg.eval_fraction else Operation()
         with stop_on_sigterm(), HangWatch(job) as watch:
-            checkpoints = Checkpointer(job, log)
+            checkpoints = Checkpointer(job, log)  # the watch first below: its at_end gives the rest the long timeout
             probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
-            # First the watch, whose at_end gives the final save, eval and export the long timeout
             operations = [watch, log, probe, checkpoints, evaluator]  # the probe: a step's peak before a save or eval
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
@@ -998,10 +989,9 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
 def train(config: Config | dict | str | Path | None = None, step_hook=None) -> dict:
     """This rank's whole job, from main() or a notebook's @distributed function. config: a Config, a dict or YAML path;
     step_hook(step, model, loss_sum, blocks), after each backward (blocks: this rank's), may replace the loss sum."""
-    if isinstance(config, (str, Path)):
-        config = load_config(yaml_source(config, "train()"))
-    elif not isinstance(config, Config):
-        config = load_config(("train()", config or {}))
+    if not isinstance(config, Config):  # a YAML file's path, or a dict (None: the defaults)
+        source = yaml_source(config, "train()") if isinstance(config, (str, Path)) else ("train()", config or {})
+        config = load_config(source)
     d = setup_distributed(config.output_dir)
     try:
         on_every_rank(partial(stopped_by_a_user_error, config, d), d)  # a restart after one stops at once
@@ -1276,8 +1266,7 @@ def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable,
         try:  # datasets: ValueError for a split or configuration it lacks, OSError for what it cannot reach
             first = [decoded(record) for _, record in itertools.islice(source_records(source), 64)]
         except (ValueError, OSError) as e:
-            first_line = str(e).strip().split("\n")[0]
-            raise UserError(f"cannot read dataset {where}: {first_line}") from e
+            raise UserError(f"cannot read dataset {where}: " + str(e).strip().split("\n")[0]) from e
         if not any(record is not None for record in first):
             raise UserError(f"dataset {where} {'has no readable line: is it JSON lines?' if first else 'is empty'}")
         reasons = []
@@ -1413,12 +1402,10 @@ def sha256(path: Path) -> str:
 def checkpoint_problem(path: Path) -> str | None:  # what is wrong with it by complete.json's sizes and hashes, or None
     try:
         meta = checkpoint_meta(path)
-        for name, size in meta["files"].items():
-            if (path / name).stat().st_size != size:
-                return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
-        for name, digest in meta["sha256"].items():
-            if sha256(path / name) != digest:
-                return f"{name} differs from what was written"
+        if name := next((n for n, size in meta["files"].items() if (path / n).stat().st_size != size), None):
+            return f"{name} has {(path / name).stat().st_size} bytes, {meta['files'][name]} were written"
+        if name := next((n for n, digest in meta["sha256"].items() if sha256(path / n) != digest), None):
+            return f"{name} differs from what was written"
     except (FileNotFoundError, KeyError, ValueError, AttributeError, TypeError) as e:  # a missing file, a broken json
         return f"{type(e).__name__}: {e}"
 
@@ -1448,8 +1435,7 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:  
     if changed := {k: v for k, v in now.items() if meta["config"].get(k) != v}:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
-    torch.set_rng_state(saved["rng"]["torch"])
-    random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"]), random.setstate(saved["rng"]["python"])
     if "cuda" in saved["rng"]:
         torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
     state = saved["progress"]  # dataclasses.asdict of a Progress
@@ -1519,17 +1505,14 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
         self.finish()
 
     def state(self) -> dict:
-        model_state, optimizer_state = get_state_dict(self.job.model, self.job.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
+        return dict(zip(("model", "optimizer"), get_state_dict(self.job.model, self.job.optimizer)))
 
     def save(self) -> None:
-        if self.log:
-            self.log.flush(self.job)  # a checkpoint holds no open window
+        self.log.flush(self.job) if self.log else None  # a checkpoint holds no open window
         self.finish()  # the write in flight, if any
         job, d, progress = self.job, self.job.d, self.job.progress
         t0, path = time.perf_counter(), Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
-        if d.rank == 0 and path.exists():
-            shutil.rmtree(path)  # an earlier, interrupted save of this step
+        shutil.rmtree(path) if d.rank == 0 and path.exists() else None  # an earlier, interrupted save of this step
         dist.barrier(self.group)
         path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
         state, future = self.state(), None
@@ -1567,7 +1550,7 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             self.preparing.join()
             self.preparing = None
         pinned = self.job.d.device.type == "cuda"
-        self.mesh = getattr(self, "mesh", None) or DeviceMesh.from_group(self.group, "cpu")
+        self.mesh = getattr(self, "mesh", None) or dist.DeviceMesh.from_group(self.group, "cpu")
 
         def host(key, value):
             local = value.to_local() if isinstance(value, DTensor) else value
@@ -1578,16 +1561,14 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
 
         staged = walk_tensors(state, host)
-        if pinned:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize() if pinned else None
         return staged
 
     def finish(self) -> None:  # waits for the write in flight; rank 0 then writes complete.json, removes the old
         if not self.pending:
             return
         (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
-        if future:
-            future.result()  # raises what the write raised
+        future.result() if future else None  # raises what the write raised
         dist.barrier(self.group)  # every rank has written its part
         self.pending = None
         if self.job.d.rank == 0:
@@ -1756,17 +1737,15 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             import mlflow
 
             run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
-            # MLflow params cannot change: a resumed run logs only the ones its run does not have yet.
             mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items() if k not in run.data.params})
-            self.mlflow = mlflow
+            self.mlflow = mlflow  # params cannot change: a resumed run logs only the ones its run does not have yet
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
         self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
-        if packing:
-            self.write({"step": 0, "packing": packing})
+        self.write({"step": 0, "packing": packing}) if packing else None
 
     def __exit__(self, kind, error, traceback) -> None:  # as a context, it ends the MLflow run
         if self.mlflow:  # a job's run must not read as a success when it failed
@@ -1776,9 +1755,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         if stats.loss_sum is not None:  # a skipped step's loss is left out
             self.loss_sum += stats.loss_sum
             self.window["loss_tokens"] += stats.loss_tokens
-        flops = 6 * self.n_matmul * stats.tokens + self.attn_per_sq * stats.sum_sq_len
-        self.window.update(steps=1, flops=flops, blocks=stats.blocks, tokens=stats.tokens)
-        self.window["data_wait_s"] += stats.data_wait_s
+        self.window.update(steps=1, blocks=stats.blocks, tokens=stats.tokens, data_wait_s=stats.data_wait_s)
+        self.window["flops"] += 6 * self.n_matmul * stats.tokens + self.attn_per_sq * stats.sum_sq_len
         self.grad_norm, self.lr = stats.grad_norm, stats.lr  # the log's: the last step's, not a mean over the window
         if self.window["steps"] == 1 and self.since == self.start:  # a new machine's compiles and autotuning
             print0(self.d.rank, f"first step took {time.perf_counter() - self.start:.1f}s{launched_s_ago()}")
@@ -1786,8 +1764,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             self.flush(job)
 
     def at_end(self, job: Job, why: str) -> None:
-        if why != "diverged":
-            self.flush(job)
+        self.flush(job) if why != "diverged" else None
 
     def flush(self, job: Job) -> None:  # logs the steps since the last line, if any; checks the skipped records' share
         if not self.window["steps"]:
@@ -1851,8 +1828,7 @@ class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per ra
         in_process = dataclasses.replace(cfg, num_workers=0, pack_buffer_blocks=cfg.eval_blocks)  # a few blocks, once
         loader = block_loader(in_process, tokenizer, "eval", d.rank, d.world_size, epochs=1)
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
-        counts = global_counts(self.blocks, d)
-        self.n_micro, self.loss_tokens = counts.max_blocks, counts.loss_tokens
+        self.n_micro, self.loss_tokens = (counts := global_counts(self.blocks, d)).max_blocks, counts.loss_tokens
         if self.loss_tokens == 0:
             names = ", ".join(source["label"] for source in data_sources(cfg, "eval"))
             raise UserError(f"the eval data ({names}) yields no loss tokens")
@@ -1988,9 +1964,6 @@ def pid_alive(pid: int) -> bool:
     return False
 
 
-STOP = threading.Event()  # set by SIGTERM while training
-
-
 class Interrupted(Exception):
     """SIGTERM reached a rank: raised on all once the checkpoint is complete; main() exits 128 + SIGTERM."""
 
@@ -2063,8 +2036,7 @@ def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:  # eos_toke
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
     """output_dir/model: the Hugging Face checkpoint in the source's dtypes, files and configs; its tokenizer ours."""
     t0, out, index_file = time.perf_counter(), Path(cfg.output_dir) / "model", source / "model.safetensors.index.json"
-    if d.rank == 0 and out.exists():
-        shutil.rmtree(out)
+    shutil.rmtree(out) if d.rank == 0 and out.exists() else None
     dist.barrier()
     source_files = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else {}
     file_number = {name: n for n, name in enumerate(sorted(set(source_files.values())), 1)}
