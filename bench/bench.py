@@ -127,6 +127,10 @@ def cmd_ours(args) -> None:
             on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
             on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
+    for lever in args.lever:  # step-time levers tried here before train.py gets them (docs/BENCHMARKS.md)
+        from long_levers import on_each_built_model
+
+        on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
 
@@ -137,6 +141,36 @@ def cmd_ours(args) -> None:
     result = train.train(train.load_config(("bench", config), ("--set", overrides)), step_hook=hook)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
+
+
+def token_mixers(layers) -> list:
+    return [getattr(layer, n) for layer in layers for n in ("linear_attn", "self_attn") if hasattr(layer, n)]
+
+
+def keep_gathered(layers) -> None:
+    """BENCH lever: each layer keeps its gathered (bf16) parameters from its forward to its backward, which then
+    gathers nothing again; with one rank the gather is two copies and a cast of every parameter."""
+    for layer in layers:
+        layer.set_reshard_after_forward(False)
+
+
+def recompute_mixers(layers) -> None:
+    """BENCH lever: in each layer not recomputed whole, the token mixer alone is recomputed (its activations freed
+    after the forward), the norms and MLP kept. Use with activation_checkpointing as a share, not auto."""
+    import torch
+
+    for mixer in token_mixers([layer for layer in layers if not layer.gradient_checkpointing]):
+
+        class Recomputed(type(mixer)):
+            def __call__(self, *args, **kwargs):
+                if not torch.is_grad_enabled():
+                    return super().__call__(*args, **kwargs)
+                return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
+
+        mixer.__class__ = Recomputed
+
+
+STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}
 
 
 def free_saved_shards(out: str):
@@ -762,6 +796,7 @@ def main() -> None:
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
     p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
+    p.add_argument("--lever", action="append", default=[], choices=sorted(STEP_LEVERS), help="a step-time lever")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")
