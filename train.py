@@ -1591,30 +1591,34 @@ def recompute_is_measured(cfg, device: torch.device) -> bool:
     return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
 
 
-class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer, later steps keep what fits
+class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer's parts, later steps keep some
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
-        self.bytes, self.events, self.seconds = [0] * len(self.layers), [None] * len(self.layers), None
+        self.parts = [(i, name, m) for i, layer in enumerate(self.layers) for name, m in recomputable_parts(layer)]
+        self.bytes, self.events, self.seconds = [0] * len(self.parts), [None] * len(self.parts), None
         self.kept, self.retries, self.clean_steps, self.watching, self.growing = None, 0, 0, True, False
         self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
-        for i, layer in enumerate(self.layers):  # measured inside them: the recomputation too, FSDP's all-gathers not
-            layer._gradient_checkpointing_func = partial(self.checkpoint, i, self.checkpoint_funcs[i])
+        for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):  # each recomputation runs to its end
+            layer._gradient_checkpointing_func = partial(self.checkpoint, checkpoint_func)
+        for j, (_, _, part) in enumerate(self.parts):  # measured inside the layers: their recomputation too
+            part.__class__ = type(type(part).__name__, (RecomputedPart, type(part)), {})
+            part.measure = partial(self.measure, j)  # outside the part's compiled forward, which hooks are not
 
-    def checkpoint(self, i: int, checkpoint_func, forward, *args):
-        def measured(*args):
-            start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
-            start.record()
-            output, end = forward(*args), torch.cuda.Event(enable_timing=True)
-            end.record()
-            outputs = output if isinstance(output, tuple) else (output,)
-            kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
-            self.bytes[i] = max(self.bytes[i], kept)  # the recomputation's
-            self.events[i] = (start, end)  # the last call's, a recomputation: the first includes compiling
-            return output
-
+    @staticmethod
+    def checkpoint(checkpoint_func, *args):
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # without early stop, which ends a recomputation
-            return checkpoint_func(measured, *args)  # before the forward returns (read per call: nothing outlives it)
+            return checkpoint_func(*args)  # before the forward returns (read per call: nothing outlives it)
+
+    def measure(self, j: int, forward, *args, **kwargs):
+        start, allocated = torch.cuda.Event(enable_timing=True), torch.cuda.memory_allocated()
+        start.record()
+        output, end = forward(*args, **kwargs), torch.cuda.Event(enable_timing=True)
+        end.record()
+        outputs = output if isinstance(output, tuple) else (output,)
+        kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
+        self.bytes[j], self.events[j] = max(self.bytes[j], kept), (start, end)  # the last call's: a recomputation
+        return output
 
     def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, then each step watches, from step 2
         if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
@@ -1623,6 +1627,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             torch.cuda.synchronize()
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
+            for _, _, part in self.parts:
+                part.measure = None
             self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
             moments, peak = sum(m.nbytes for m in job.host_moments.moments()), torch.cuda.max_memory_allocated()
             if (room := self.room(peak + moments, unplanned=0)) >= 0:  # no step after step 1 needs more than it did
@@ -1632,12 +1638,14 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
                 line += f" short of room for AdamW's moments ({moments / 2**30:.1f} GiB): they leave the GPU for each"
                 print0(job.d.rank, f"activation_checkpointing auto: {line} forward and backward, to pinned host memory")
             torch.cuda.reset_peak_memory_stats()  # the baseline's peak from here, after step 1's log line read its own
-        elif self.kept is None:  # step 2's peak, every layer recomputed, is the baseline: the watch keeps layers
+        elif self.kept is None:  # step 2's peak, every layer recomputed, is the baseline: the watch keeps parts
             costs = all_reduced([*self.bytes, *self.seconds], job.d, dist.ReduceOp.MAX, torch.float64)
             (self.sizes, self.seconds), n = costs.view(2, -1).tolist(), len(self.layers)
-            self.kept, self.retries, self.growing = [], alloc_retries(), True
             each = f"{sum(self.sizes) / n / 2**30:.2f} GiB and {1e3 * sum(self.seconds) / n:.0f} ms per layer"
             print0(job.d.rank, f"activation_checkpointing auto: recomputation measured, {each}")
+            gathered = sum(p.numel() for p in self.layers.parameters()) * getattr(torch, job.cfg.param_dtype).itemsize
+            self.sizes, self.seconds = self.sizes + [gathered], self.seconds + [0.0]  # last: gathered parameters kept
+            self.kept, self.retries, self.growing = [], alloc_retries(), True
             self.watch()
         else:
             self.watching = not self.watch()
@@ -1648,20 +1656,40 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         usable = min(free + torch.cuda.memory_reserved(), self.limit)
         return all_reduced(usable - unplanned * self.limit - peak, self.job.d, dist.ReduceOp.MIN, torch.float64).item()
 
-    def watch(self) -> bool:  # each step: retries give back a kept layer; room left beside the peak keeps more
+    def watch(self) -> bool:  # each step: retries give back a kept part; room left beside the peak keeps more
         retries, peak, step = alloc_retries(), torch.cuda.max_memory_allocated(), self.job.progress.step
         new = all_reduced(retries - self.retries, self.job.d, dist.ReduceOp.MAX).item()  # any rank's retries
         self.retries, self.clean_steps, self.growing = retries, self.clean_steps + 1, self.growing and not new
-        if new and self.kept:  # after allocator retries the layer kept last is recomputed again, and no more kept
-            layer, self.clean_steps = self.kept.pop(), 0
-            line = f"step {step}: {new} allocation retries, recomputing layer {layer} again; kept {sorted(self.kept)}"
+        names = [f"{i}.{name}" for i, name, _ in self.parts] + ["gathered parameters"]
+        if new and self.kept:  # after allocator retries the part kept last is recomputed again, and no more kept
+            given_back, self.clean_steps = names[self.kept.pop()], 0
+            line = f"step {step}: {new} allocation retries, {given_back} back; {len(self.kept)} of {len(names)} kept"
         elif self.growing and (more := layers_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
-            self.kept, self.clean_steps = self.kept + more, 0  # a measured peak, plus sizes that err high
-            line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {more} too: {sorted(self.kept)} kept"
-        for i, layer in enumerate(self.layers):  # the kept layers' activations stay, the others' are recomputed
-            layer.gradient_checkpointing = i not in self.kept
+            self.kept, self.clean_steps = self.kept + more, 0  # sizes err low (a part's input is not in it): retries
+            line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {[names[j] for j in more]} too"
+        for i, layer in enumerate(self.layers):  # a layer whose parts are all recomputed is recomputed whole
+            parts = [(j, part) for j, (k, _, part) in enumerate(self.parts) if k == i]
+            layer.gradient_checkpointing = all(j not in self.kept for j, _ in parts)
+            for j, part in parts:
+                part.recomputed = j not in self.kept and not layer.gradient_checkpointing
+            layer.set_reshard_after_forward(len(self.parts) not in self.kept)  # FSDP2's, kept or not
         print0(self.job.d.rank, f"activation_checkpointing auto: {line}") if self.clean_steps == 0 else None
         return self.clean_steps >= 10  # ten steps in a row without an allocator retry end the watch
+
+
+class RecomputedPart:  # auto: a layer's token mixer or MLP recomputed alone in backward, the rest of the layer kept
+    recomputed, measure = False, None  # measure: the probe's, in step 1
+
+    def __call__(self, *args, **kwargs):
+        if self.measure:
+            return self.measure(super().__call__, *args, **kwargs)
+        if not (self.recomputed and torch.is_grad_enabled()):
+            return super().__call__(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
+
+
+def recomputable_parts(layer) -> list:  # its children with weights but norms: the token mixer and the MLP
+    return [(n, m) for n, m in layer.named_children() if list(m.parameters()) and not type(m).__name__.endswith("Norm")]
 
 
 class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each forward and backward, back for the step

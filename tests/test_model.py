@@ -6,9 +6,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import train
+
+PARTS = ["self_attn", "mlp"]  # the tiny dense model's recomputable parts, in order
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +169,13 @@ def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
 
 
 @pytest.mark.parametrize("moments_fit", [True, False])
-def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
+def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recomputation(
     tiny_model_dir, monkeypatch, world_of_one, capsys, moments_fit
 ):
-    """The probe wraps transformers' checkpoint function (FSDP's and other module hooks run outside the checkpoint,
-    so they never see the recomputation), and the measured step runs each recomputation to its end (PyTorch
-    stops it early by default): every layer is measured twice, its output (the next layer's input) not counted,
-    and after the step the original checkpoint function is back and the next step runs as any other. AdamW's
+    """The probe measures each layer's parts (its token mixer and MLP: its children with weights, norms aside) by
+    hooks, and the measured step runs each layer's recomputation to its end (PyTorch stops it early by default):
+    every part is measured twice, its output not counted; after the step the hooks are gone and the original
+    checkpoint function is back, and the next step runs as any other. AdamW's
     moments stay on the GPU if step 1's peak leaves room for them, by a byte either way. (CUDA's memory counters
     are faked here: each forward "allocates" 1 MB more than it returns; the real memory is measured on the GPU,
     docs/BENCHMARKS.md.)"""
@@ -213,7 +217,8 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
     peak = total - moments + (-1 if moments_fit else 1)  # by the GPU's whole memory: step 1's peak bounds the next
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
-    n = len(layers)
+    n = len(probe.parts)
+    assert [(i, name) for i, name, _ in probe.parts] == [(i, name) for i in range(len(layers)) for name in PARTS]
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
     assert probe.bytes == [2**20 - ids.numel() * model.config.hidden_size * 4] * n  # less the fp32 output
@@ -223,6 +228,7 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     probe.after_step(job, dataclasses.replace(skipped, loss_sum=torch.tensor(1.0)))
     assert probe.kept is None  # measured; the decision waits for the next step's peak
     assert [layer._gradient_checkpointing_func for layer in layers] == original
+    assert not any(part.measure for _, _, part in probe.parts)
     assert probe.seconds == [1e-3] * n
     assert torch.utils.checkpoint._enable_checkpoint_early_stop == early_stop  # turned off only inside each layer
     assert (job.host_moments is None) == moments_fit
@@ -230,31 +236,62 @@ def test_auto_recompute_measures_each_layer_in_forward_and_in_its_recomputation(
     assert (moved in capsys.readouterr().out) != moments_fit
 
 
-def test_auto_recompute_recomputes_a_kept_layer_again_after_each_step_with_allocator_retries(
+def recomputed(probe) -> list:
+    """Per layer: "whole" (transformers' checkpoint, no part's own), or its parts recomputed alone ([]: all kept)."""
+    parts = [[name for k, name, part in probe.parts if k == i and part.recomputed] for i in range(len(probe.layers))]
+    layers = zip(probe.layers, parts)
+    return ["whole" if layer.gradient_checkpointing and not alone else alone for layer, alone in layers]
+
+
+def test_auto_recompute_recomputes_a_kept_part_again_after_each_step_with_allocator_retries(
     tiny_model_dir, monkeypatch, world_of_one
 ):
-    """After auto's decision, a step in which CUDA's allocator retried (on any rank) sends the kept layer that saves
-    the least time per byte back to recomputation; ten clean steps in a row end the watch. (The retry counter is
-    faked; a world of one gloo process stands in for the ranks.)"""
+    """After auto's decision, a step in which CUDA's allocator retried (on any rank) sends the part kept last back to
+    recomputation (alone while its layer's other part is kept; with it, the whole layer); ten clean steps in a row
+    end the watch. (The retry counter is faked; a world of one gloo process stands in for the ranks.)"""
     counter = iter([0, 2, 2, 3] + [3] * 10)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    layers = model.get_decoder().layers
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
     job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 2})()})()
     job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
     probe = train.RecomputeProbe(job)
-    probe.kept = [1, 0]  # as layers_to_keep ranks them: layer 1 saves the most per byte
-    for layer in layers:
-        layer.gradient_checkpointing = False
-    recomputed = []
+    probe.kept = [3, 2]  # layer 1's MLP, then its attention
+    states = []
     for _ in range(20):
         done = probe.watch()
-        recomputed.append([i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
+        states.append(recomputed(probe))
         if done:
             break
-    assert recomputed[:4] == [[], [0], [0], [0, 1]]  # retries in the 2nd and 4th steps watched
-    assert probe.kept == [] and done and len(recomputed) == 14  # then 10 clean steps (nothing left to give back)
+    assert states[:4] == [["whole", []], ["whole", ["self_attn"]], ["whole", ["self_attn"]], ["whole", "whole"]]
+    assert probe.kept == [] and done and len(states) == 14  # then 10 clean steps (nothing left to give back)
+
+
+def test_a_part_recomputed_alone_gives_the_same_losses_and_gradients(tiny_model_dir):
+    """auto's middle way: a layer's token mixer recomputed in backward and its MLP kept, or the other way round. The
+    losses and gradients equal those with nothing recomputed, bit for bit, and the part's forward runs again."""
+    ids = torch.arange(3, 40)[None]
+
+    def step(alone: str | None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        calls = dict.fromkeys(PARTS, 0)
+        for layer in model.get_decoder().layers:
+            for name, part in train.recomputable_parts(layer):
+                part.__class__ = type(type(part).__name__, (train.RecomputedPart, type(part)), {})
+                part.recomputed = name == alone
+                part.register_forward_pre_hook(lambda *_, name=name: calls.update({name: calls[name] + 1}))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()], calls
+
+    reference_loss, reference_grads, _ = step(None)
+    n = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.num_hidden_layers
+    for alone in PARTS:
+        loss, grads, calls = step(alone)
+        assert loss.equal(reference_loss) and all(g.equal(r) for g, r in zip(grads, reference_grads, strict=True))
+        assert calls == {name: 2 * n if name == alone else n for name in PARTS}
 
 
 def test_recomputed_mlps_in_tiles_give_the_same_losses_and_gradients(tiny_model_dir, world_of_one, monkeypatch):
@@ -404,8 +441,9 @@ def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, e
 
 
 def growing_probe(tiny_model_dir, monkeypatch, world_of_one, peaks: list, retries: list, kept: list):
-    """A RecomputeProbe growing at step 3 of a 2-layer model, from the layers kept: each layer 100 bytes (1 s and 2 s
-    of recomputation), a GPU of 10,000 bytes; CUDA's peak and retry count faked, the next of each list per step."""
+    """A RecomputeProbe growing at step 3 of a 2-layer model (each layer FSDP2-sharded), from the parts
+    kept: each part 100 bytes (1, 2, 3 and 4 s of recomputation: 1.mlp saves the most per byte), the layers' gathered
+    parameters 1,000 bytes, a GPU of 10,000; CUDA's peak and retry count faked, the next of each list per step."""
     peaks, retries = iter(peaks), iter(retries)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(retries)})
@@ -415,43 +453,57 @@ def growing_probe(tiny_model_dir, monkeypatch, world_of_one, peaks: list, retrie
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert len(model.get_decoder().layers) == 2
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
     job = type("Job", (), {"model": model, "progress": type("Progress", (), {"step": 3})()})()
     job.d, job.optimizer = world_of_one, torch.optim.AdamW(model.parameters())
     probe = train.RecomputeProbe(job)
-    probe.kept, probe.sizes, probe.seconds, probe.growing = kept, [100.0, 100.0], [1.0, 2.0], True
-    for i, layer in enumerate(model.get_decoder().layers):
-        layer.gradient_checkpointing = i not in kept
+    probe.kept, probe.sizes, probe.seconds, probe.growing = kept, [100.0] * 4 + [1e3], [1.0, 2.0, 3.0, 4.0, 0.0], True
     return probe
 
 
-def test_auto_recompute_keeps_more_layers_while_the_measured_peak_leaves_room(
+def test_auto_recompute_keeps_more_parts_while_the_measured_peak_leaves_room(
     tiny_model_dir, monkeypatch, world_of_one, capsys
 ):
-    """From step 2 on, each step keeps the recomputed layers that room beside the peak measured so far allows (each
-    kept layer's whole size added to a peak overestimates: a kept layer's activations are gone by the end of backward,
-    where the fp32 gradients peak), until a step retries an allocation, which gives one back and ends the growing."""
-    probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [8_750, 8_850, 0], [0, 1, 1], kept=[1])
-    recomputed = []
+    """From step 2 on, each step keeps the recomputed parts that room beside the peak measured so far allows (the
+    measured peaks decide, not a sum of sizes), the most time saved per byte first, until a step retries an
+    allocation, which gives the part kept last back and ends the growing."""
+    probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [8_750, 8_850, 0], [0, 1, 1], kept=[3])
+    states = []
     for _ in range(3):
         probe.watch()
-        recomputed.append([i for i, layer in enumerate(probe.layers) if layer.gradient_checkpointing])
-    # 10,000 - 10% unplanned - 8,750 leaves 250: layer 0 is kept; the next step retries, so it is recomputed again,
-    # and a step with all the room in the world keeps nothing more
-    assert recomputed == [[], [0], [0]] and probe.kept == [1] and not probe.growing
+        states.append(recomputed(probe))
+    # 10,000 - 10% unplanned - 8,750 leaves 250: two parts are kept, layer 1's attention and layer 0's MLP; the next
+    # step retries, so layer 0's MLP is recomputed again (with its attention: the whole layer), and a step with all
+    # the room in the world keeps nothing more
+    assert states == [[["self_attn"], []], ["whole", []], ["whole", []]] and probe.kept == [3, 2]
     out = capsys.readouterr().out
-    assert "step 3: peak 0.0 GiB, room for [0] too: [0, 1] kept" in out
-    assert "step 3: 1 allocation retries, recomputing layer 0 again; kept [1]" in out
+    assert not probe.growing and "step 3: peak 0.0 GiB, room for ['1.self_attn', '0.mlp'] too" in out
+    assert "step 3: 1 allocation retries, 0.mlp back; 2 of 5 kept" in out
 
 
-def test_auto_recompute_stops_keeping_layers_after_retries_even_with_none_kept(
+def test_auto_recompute_keeps_the_gathered_parameters_in_room_that_no_part_fits(
+    tiny_model_dir, monkeypatch, world_of_one, capsys
+):
+    """With every part kept, room left keeps each layer's gathered parameters from its forward to its backward
+    (FSDP2's reshard_after_forward off), until an allocator retry gives them back."""
+    probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [7_000, 0], [0, 1], [0, 1, 2, 3])
+    resharded = []
+    for _ in range(2):
+        probe.watch()
+        resharded.append([layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info for layer in probe.layers])
+    assert [[info is not None for info in step] for step in resharded] == [[False, False], [True, True]]
+    assert "room for ['gathered parameters'] too" in capsys.readouterr().out
+
+
+def test_auto_recompute_stops_keeping_parts_after_retries_even_with_none_kept(
     tiny_model_dir, monkeypatch, world_of_one
 ):
     """Allocator retries in a step that keeps nothing yet still end the growing: the next step, with all the room in
-    the world, keeps no layer."""
+    the world, keeps no part."""
     probe = growing_probe(tiny_model_dir, monkeypatch, world_of_one, [0, 0], [1, 1], kept=[])
     probe.watch(), probe.watch()
-    assert probe.kept == [] and not probe.growing
-    assert all(layer.gradient_checkpointing for layer in probe.layers)
+    assert probe.kept == [] and not probe.growing and recomputed(probe) == ["whole", "whole"]
 
 
 def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, world_of_one):
