@@ -1496,8 +1496,7 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=job.d.device)
             dist.broadcast(late, src=0)
             due = bool(late)
-        if due and step < job.total_steps:
-            self.save()
+        self.save() if due and step < job.total_steps else None
 
     def at_end(self, job: Job, why: str) -> None:
         if why != "diverged" and job.cfg.save_every >= 0 and job.progress.step != self.saved_step:
@@ -1598,11 +1597,11 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         self.parts = [(i, name, m) for i, layer in enumerate(self.layers) for name, m in recomputable_parts(layer)]
         self.bytes, self.events, self.seconds = [0] * len(self.parts), [None] * len(self.parts), None
         self.kept, self.retries, self.clean_steps, self.watching, self.growing = None, 0, 0, True, False
-        self.checkpoint_funcs = [layer._gradient_checkpointing_func for layer in self.layers]
+        self.checkpoint_funcs, classes = [layer._gradient_checkpointing_func for layer in self.layers], {}
         for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):  # each recomputation runs to its end
             layer._gradient_checkpointing_func = partial(self.checkpoint, checkpoint_func)
-        for j, (_, _, part) in enumerate(self.parts):  # measured inside the layers: their recomputation too
-            part.__class__ = type(type(part).__name__, (RecomputedPart, type(part)), {})
+        for j, (_, _, part) in enumerate(self.parts):  # one class per kind (torch.compile's guards check the class)
+            part.__class__ = classes.setdefault(type(part), type(type(part).__name__, (RecomputedPart, type(part)), {}))
             part.measure = partial(self.measure, j)  # outside the part's compiled forward, which hooks are not
 
     @staticmethod
@@ -1615,8 +1614,9 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         start.record()
         output, end = forward(*args, **kwargs), torch.cuda.Event(enable_timing=True)
         end.record()
-        outputs = output if isinstance(output, tuple) else (output,)
+        outputs, part_input = output if isinstance(output, tuple) else (output,), (*args, *kwargs.values())[0]
         kept = torch.cuda.memory_allocated() - allocated - sum(t.nbytes for t in outputs if torch.is_tensor(t))
+        kept += getattr(part_input, "nbytes", 0)  # kept too once the part is (the whole layer keeps only its own)
         self.bytes[j], self.events[j] = max(self.bytes[j], kept), (start, end)  # the last call's: a recomputation
         return output
 
@@ -1629,7 +1629,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
                 layer._gradient_checkpointing_func = checkpoint_func
             for _, _, part in self.parts:
                 part.measure = None
-            self.seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+            self.seconds = [e[0].elapsed_time(e[1]) / 1e3 if e else 0.0 for e in self.events]  # None: never called
             moments, peak = sum(m.nbytes for m in job.host_moments.moments()), torch.cuda.max_memory_allocated()
             if (room := self.room(peak + moments, unplanned=0)) >= 0:  # no step after step 1 needs more than it did
                 job.host_moments = None  # they fit beside step 1's peak: on the GPU, where its optimizer step left them
@@ -1665,7 +1665,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             given_back, self.clean_steps = names[self.kept.pop()], 0
             line = f"step {step}: {new} allocation retries, {given_back} back; {len(self.kept)} of {len(names)} kept"
         elif self.growing and (more := layers_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
-            self.kept, self.clean_steps = self.kept + more, 0  # sizes err low (a part's input is not in it): retries
+            self.kept, self.clean_steps = self.kept + more, 0  # measured peaks correct the sizes' error
             line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {[names[j] for j in more]} too"
         for i, layer in enumerate(self.layers):  # a layer whose parts are all recomputed is recomputed whole
             parts = [(j, part) for j, (k, _, part) in enumerate(self.parts) if k == i]

@@ -172,9 +172,10 @@ def test_attention_auto_is_sdpa_on_cpu_and_unavailable_backends_fail():
 def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recomputation(
     tiny_model_dir, monkeypatch, world_of_one, capsys, moments_fit
 ):
-    """The probe measures each layer's parts (its token mixer and MLP: its children with weights, norms aside) by
-    hooks, and the measured step runs each layer's recomputation to its end (PyTorch stops it early by default):
-    every part is measured twice, its output not counted; after the step the hooks are gone and the original
+    """The probe measures each layer's parts (its token mixer and MLP: its children with weights, norms aside) from
+    their own __call__ (one class per kind of part, as torch.compile's guards want), and the measured step runs each
+    layer's recomputation to its end (PyTorch stops it early by default): every part is measured twice, its output
+    not counted but its input counted (a kept part keeps it); after the step the measuring is off and the original
     checkpoint function is back, and the next step runs as any other. AdamW's
     moments stay on the GPU if step 1's peak leaves room for them, by a byte either way. (CUDA's memory counters
     are faked here: each forward "allocates" 1 MB more than it returns; the real memory is measured on the GPU,
@@ -221,7 +222,8 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     assert [(i, name) for i, name, _ in probe.parts] == [(i, name) for i in range(len(layers)) for name in PARTS]
     assert len(records) == 2 * 2 * n  # a start and an end, in forward and in the recomputation
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
-    assert probe.bytes == [2**20 - ids.numel() * model.config.hidden_size * 4] * n  # less the fp32 output
+    assert probe.bytes == [2**20] * n  # less the output, plus the input: both [1, 37, hidden] in fp32
+    assert len({type(part) for _, _, part in probe.parts}) == len(PARTS)  # one class per kind of part
     skipped = train.StepStats(max_blocks=1, blocks=1, loss_tokens=36, tokens=37, sum_sq_len=37**2)  # loss_sum None
     probe.after_step(job, skipped)
     assert probe.seconds is None and probe.kept is None  # a skipped step does not count
