@@ -7,7 +7,8 @@ Subcommands (bench/run_bench.sh strings them together; docs/BENCHMARKS.md has th
   ours --model-config DIR --tokenizer DIR --data FILE --seq-len N --steps N --out DIR
                             under torchrun: train.train(config), the recipe's own code path (packing, FSDP2,
                             loss, loop, metrics.jsonl), with the settings init: random (the geometry's own
-                            initialiser, no checkpoint read), save_every: -1 and export: false
+                            initialiser, no checkpoint read), save_every: -1 and export: false; --lever NAME
+                            adds a step-time lever tried before train.py has it (keep-gathered, recompute-mixers)
   seed SEED_PY              under torchrun: runs the seed script unchanged (runpy, BENCH_* variables from the
                             environment) with a global optimizer-step hook that prints when its first step ends
 Both recipes' random weights are created on the GPU; everything after that is each recipe's own.
