@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import train
@@ -271,9 +272,12 @@ def test_auto_recompute_recomputes_a_kept_part_again_after_each_step_with_alloca
     assert probe.kept == [] and done and len(states) == 14  # then 10 clean steps (nothing left to give back)
 
 
-def test_a_part_recomputed_alone_gives_the_same_losses_and_gradients(tiny_model_dir):
-    """auto's middle way: a layer's token mixer recomputed in backward and its MLP kept, or the other way round. The
-    losses and gradients equal those with nothing recomputed, bit for bit, and the part's forward runs again."""
+@pytest.mark.parametrize("sharding", [None, "resharded", "gathered"])
+def test_a_part_recomputed_alone_gives_the_same_losses_and_gradients(tiny_model_dir, world_of_one, sharding):
+    """auto's middle way: a layer's token mixer recomputed in backward and its MLP kept, or the other way round, also
+    inside FSDP2's layers (a world of one gloo rank), whose parameters are gathered again for the backward or kept
+    gathered from the forward. The losses and gradients equal those with nothing recomputed, bit for bit, and the
+    part's forward runs again."""
     ids = torch.arange(3, 40)[None]
 
     def step(alone: str | None):
@@ -284,9 +288,12 @@ def test_a_part_recomputed_alone_gives_the_same_losses_and_gradients(tiny_model_
                 part.__class__ = type(type(part).__name__, (train.RecomputedPart, type(part)), {})
                 part.recomputed = name == alone
                 part.register_forward_pre_hook(lambda *_, name=name: calls.update({name: calls[name] + 1}))
+            if sharding:
+                fully_shard(layer, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=sharding == "resharded")
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        return loss, [p.grad for p in model.parameters()], calls
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        return loss, grads, calls
 
     reference_loss, reference_grads, _ = step(None)
     n = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.num_hidden_layers
