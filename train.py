@@ -1664,7 +1664,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         if new and self.kept:  # after allocator retries the part kept last is recomputed again, and no more kept
             given_back, self.clean_steps = names[self.kept.pop()], 0
             line = f"step {step}: {new} allocation retries, {given_back} back; {len(self.kept)} of {len(names)} kept"
-        elif self.growing and (more := layers_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
+        elif self.growing and (more := parts_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
             self.kept, self.clean_steps = self.kept + more, 0  # measured peaks correct the sizes' error
             line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {[names[j] for j in more]} too"
         for i, layer in enumerate(self.layers):  # a layer whose parts are all recomputed is recomputed whole
@@ -1725,8 +1725,8 @@ class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each f
         self.on_host = False
 
 
-def layers_to_keep(sizes: list[float], seconds: list[float], room: float, kept=()) -> list[int]:
-    more = []  # the layers to keep beside those kept, the most recompute time saved per byte first, while room lasts
+def parts_to_keep(sizes: list[float], seconds: list[float], room: float, kept=()) -> list[int]:
+    more = []  # the items (parts, gathered parameters) to keep beside those kept, most time per byte first, in room
     for i in sorted(range(len(sizes)), key=lambda i: -seconds[i] / max(sizes[i], 1)):
         if i not in kept and sizes[i] <= room:
             more.append(i)

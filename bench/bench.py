@@ -157,18 +157,15 @@ def keep_gathered(layers) -> None:
 
 def recompute_mixers(layers) -> None:
     """BENCH lever: in each layer not recomputed whole, the token mixer alone is recomputed (its activations freed
-    after the forward), the norms and MLP kept. Use with activation_checkpointing as a share, not auto."""
-    import torch
+    after the forward), the norms and MLP kept, by train.py's RecomputedPart (as auto now does for a layer whose MLP
+    it keeps). Use with activation_checkpointing as a share, not auto."""
+    import train
 
+    classes = {}  # one per kind of mixer, as train.py's probe makes them
     for mixer in token_mixers([layer for layer in layers if not layer.gradient_checkpointing]):
-
-        class Recomputed(type(mixer)):
-            def __call__(self, *args, **kwargs):
-                if not torch.is_grad_enabled():
-                    return super().__call__(*args, **kwargs)
-                return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
-
-        mixer.__class__ = Recomputed
+        kind = type(mixer)
+        mixer.__class__ = classes.setdefault(kind, type(kind.__name__, (train.RecomputedPart, kind), {}))
+        mixer.recomputed = True
 
 
 STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}

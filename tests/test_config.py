@@ -160,8 +160,8 @@ def test_auto_recompute_keeps_the_most_time_saved_per_byte_that_fits():
     gib = 2**30
     sizes = [7 * gib, 8 * gib, 7 * gib, 8 * gib]  # e.g. Gated DeltaNet, attention, Gated DeltaNet, attention
     seconds = [0.040, 0.060, 0.041, 0.050]  # per byte: layer 1 first, then 3, 2, 0
-    assert train.layers_to_keep(sizes, seconds, room=16 * gib) == [1, 3]
-    assert train.layers_to_keep(sizes, seconds, room=15.5 * gib) == [1, 2]  # 3 does not fit after 1; 2 does
-    assert train.layers_to_keep(sizes, seconds, room=100 * gib) == [1, 3, 2, 0]  # in that order
-    assert train.layers_to_keep(sizes, seconds, room=-gib) == []  # the first step's peak already too close
-    assert train.layers_to_keep(sizes, seconds, room=100 * gib, kept=[3, 2]) == [1, 0]  # beside those kept
+    assert train.parts_to_keep(sizes, seconds, room=16 * gib) == [1, 3]
+    assert train.parts_to_keep(sizes, seconds, room=15.5 * gib) == [1, 2]  # 3 does not fit after 1; 2 does
+    assert train.parts_to_keep(sizes, seconds, room=100 * gib) == [1, 3, 2, 0]  # in that order
+    assert train.parts_to_keep(sizes, seconds, room=-gib) == []  # the first step's peak already too close
+    assert train.parts_to_keep(sizes, seconds, room=100 * gib, kept=[3, 2]) == [1, 0]  # beside those kept
