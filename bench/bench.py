@@ -18,6 +18,7 @@ Both recipes' random weights are created on the GPU; everything after that is ea
   losses RUN_A RUN_B        two runs' mean loss per window of steps, and their final losses
   steps RUN [RUN ...]       each run's steps (tok/s/GPU, fill, allocator retries) and its mean over the timed steps
                             whose blocks are full
+  logsteps LOG --seq-len N  a run's tok/s/GPU and MFU from its log's step lines (when metrics.jsonl is missing)
   profile RUN [RUN ...]     a run made with --profile-from, summarised again from its trace: GPU time by kind, the
                             longest kernels, the compute stream's idle gaps and the host calls before each
   packing --tokenizer DIR --data FILE --seq-len N --ranks N
@@ -547,6 +548,25 @@ def cmd_steps(args) -> None:
             print(f"  mean over {len(full)} timed steps with full blocks: {sum(full) / len(full):,.0f} tok/s/GPU")
 
 
+STEP_LINE = re.compile(r"step (\d+)/\d+ \|.*?\| ([\d,]+) tok/s/gpu \|.*?\| mfu ([\d.]+)%")
+
+
+def cmd_logsteps(args) -> None:
+    """A run's rates from its log's step lines, for a run whose metrics.jsonl did not come back from the GPU machine:
+    each step's seconds taken as its block length over its tok/s/GPU (blocks as good as full: one block a step, one
+    GPU), tok/s/GPU and MFU weighted by those seconds as `summary` weights them, over steps FIRST..LAST."""
+    steps = {
+        int(m[1]): (float(m[2].replace(",", "")), float(m[3])) for m in STEP_LINE.finditer(Path(args.log).read_text())
+    }
+    chosen = [i for i in sorted(steps) if args.first <= i <= (args.last or max(steps)) and i not in args.skip]
+    seconds = [args.seq_len / steps[i][0] for i in chosen]
+    rate = args.seq_len * len(chosen) / sum(seconds)
+    mfu = sum(steps[i][1] * dt for i, dt in zip(chosen, seconds)) / sum(seconds)
+    print(
+        f"{Path(args.log).name}: steps {chosen[0]}-{chosen[-1]} ({len(chosen)}): {rate:,.0f} tok/s/GPU, MFU {mfu:.1f}%"
+    )
+
+
 def cmd_packing(args) -> None:
     """The recipe's PackedBlocks (best-fit decreasing per pack buffer, one DataLoader worker's stream per rank)
     over the data, on CPU: each rank's block count, mean fill, and the blocks under FULL_BLOCK, by position."""
@@ -815,6 +835,12 @@ def main() -> None:
     p = sub.add_parser("profile")
     p.add_argument("runs", nargs="+", help="run directories made with --profile-from (their trace.json.gz)")
     p.add_argument("--shown", type=int, default=15, help="the longest kernels and idle gaps shown")
+    p = sub.add_parser("logsteps")
+    p.add_argument("log", help="a run's log.txt (or the output of run_bench.sh)")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--first", type=int, default=WARMUP_STEPS + 1)
+    p.add_argument("--last", type=int, default=0, help="0: the last step logged")
+    p.add_argument("--skip", type=int, nargs="*", default=[], help="steps left out (e.g. profiled ones)")
     p = sub.add_parser("packing")
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--data", required=True)
@@ -830,6 +856,7 @@ def main() -> None:
         "flops": cmd_flops,
         "losses": cmd_losses,
         "steps": cmd_steps,
+        "logsteps": cmd_logsteps,
         "profile": cmd_profile,
         "packing": cmd_packing,
     }[args.cmd](args)
