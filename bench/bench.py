@@ -216,7 +216,7 @@ def profile_two_steps(first: int, out: Path):
             return
         if step == first:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            state["profiler"] = torch.profiler.profile(activities=activities)
+            state["profiler"] = torch.profiler.profile(activities=activities, record_shapes=True)  # gemm_shapes
             state["profiler"].__enter__()
             state["t0"] = time.perf_counter()
         elif step == first + 2 and "profiler" in state:
@@ -241,10 +241,11 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
     sync such as .item() returns once the GPU has caught up; what the host does next is the gap). Collectives run
     on streams of their own, overlapping compute: the kinds add up to more than the wall time."""
     on_gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    kinds, kernels, by_stream = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}, {}
+    kinds, kernels, by_stream, gemms = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}, {}, []
     for e in on_gpu:
         kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, e["name"], re.IGNORECASE))
         kinds[kind] += e["dur"] / 1e3
+        gemms += [e] if kind.startswith("GEMMs") else []
         ms, count = kernels.get(e["name"], (0.0, 0))
         kernels[e["name"]] = (ms + e["dur"] / 1e3, count + 1)
         if not kind.startswith("NCCL"):
@@ -276,11 +277,38 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
         print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%")
     for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:shown]:
         print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}")
+    summary["gemms"] = gemm_shapes(events, gemms)
+    for row in summary["gemms"][:shown]:
+        print(f"bench: profile gemm {row['ms']:9,.1f} ms {row['count']:6d}x {row['tflops']:6.0f} TFLOP/s {row['op']}")
     for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:shown]:
         returned = sorted({e["name"] for e in host if a - 50 <= e["ts"] + e["dur"] <= a + 1000})
         at = f"{(b - a) / 1e3:5.1f} ms at +{(a - spans[0][0]) / 1e3:7.1f} ms"
         print(f"bench: profile idle {at} after {', '.join(returned)[:140]}")
     return summary
+
+
+def gemm_shapes(events: list, gemms: list) -> list:
+    """GEMM kernels' time by the op that launched them and its operands' shapes (the profile's record_shapes), each
+    row's FLOP rate (2 M N K per product; a batched product's B times that), the slowest in total first, and a last
+    row for all of them: which matrix products run far from the GPU's peak."""
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    ops = {e["args"]["External id"]: e for e in ops if "External id" in e.get("args", {})}
+    rows = {}
+    for kernel in gemms:
+        op = ops.get(kernel.get("args", {}).get("External id"), {})
+        dims = [d for d in op.get("args", {}).get("Input Dims", []) if d]
+        mats = [d for d in dims if len(d) >= 2][-2:]  # addmm's bias first: the last two matrices are the product's
+        flops = 0
+        if len(mats) == 2 and mats[0][-1] == mats[1][-2]:
+            flops = 2 * mats[0][-2] * mats[0][-1] * mats[1][-1] * (mats[0][0] if len(mats[0]) == 3 else 1)
+        key = f"{op.get('name', '?')} {' x '.join(map(str, mats))}"
+        ms, count, total = rows.get(key, (0.0, 0, 0))
+        rows[key] = (ms + kernel["dur"] / 1e3, count + 1, total + flops)
+    rows["all GEMMs"] = tuple(map(sum, zip(*rows.values()))) if rows else (0.0, 0, 0)
+    return [
+        {"op": key, "ms": round(ms, 2), "count": count, "tflops": total / ms / 1e9 if ms else 0.0}
+        for key, (ms, count, total) in sorted(rows.items(), key=lambda kv: (kv[0] != "all GEMMs", -kv[1][0]))
+    ]
 
 
 def cmd_seed(args) -> None:
