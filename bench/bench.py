@@ -277,6 +277,10 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
         print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%")
     for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:shown]:
         print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}")
+    gemm_ids = set(map(id, gemms))
+    summary["by_caller"] = by_caller(events, [e for e in on_gpu if id(e) not in gemm_ids])
+    for row in summary["by_caller"][:shown]:
+        print(f"bench: profile caller {row['ms']:9,.1f} ms {row['count']:6d}x {row['caller'][:120]}")
     summary["gemms"] = gemm_shapes(events, gemms)
     for row in summary["gemms"][:shown]:
         print(f"bench: profile gemm {row['ms']:9,.1f} ms {row['count']:6d}x {row['tflops']:6.0f} TFLOP/s {row['op']}")
@@ -285,6 +289,42 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
         at = f"{(b - a) / 1e3:5.1f} ms at +{(a - spans[0][0]) / 1e3:7.1f} ms"
         print(f"bench: profile idle {at} after {', '.join(returned)[:140]}")
     return summary
+
+
+def launch_ranges(events: list) -> dict:
+    """Each launch's correlation id -> the names of the host ranges around it (record_function labels such as FSDP's,
+    and ops), outermost first: a sweep over each thread's ranges and launches in time order."""
+    by_thread, around = {}, {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+            by_thread.setdefault(e["tid"], []).append((e["ts"], 0, -e["dur"], e))
+        elif e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            by_thread.setdefault(e["tid"], []).append((e["ts"], 1, 0, e))
+    for items in by_thread.values():
+        stack = []
+        for ts, is_launch, _, e in sorted(items, key=lambda item: item[:3]):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if is_launch:
+                around[e["args"]["correlation"]] = [r["name"] for r in stack]
+            else:
+                stack.append(e)
+    return around
+
+
+def by_caller(events: list, kernels: list) -> list:
+    """Kernels' time (GEMMs aside) by what launched them: FSDP's label (FSDP::...) when one is around the launch,
+    else the innermost op, with the kernel's kind: where the copies, casts and elementwise work come from."""
+    around, rows = launch_ranges(events), {}
+    for kernel in kernels:
+        names = around.get(kernel.get("args", {}).get("correlation"), [])
+        label = next((n for n in names if n.startswith("FSDP")), names[-1] if names else "?")
+        kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, kernel["name"], re.IGNORECASE))
+        key = f"{label} [{kind}: {kernel['name'][:40]}]"
+        ms, count = rows.get(key, (0.0, 0))
+        rows[key] = (ms + kernel["dur"] / 1e3, count + 1)
+    rows = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    return [{"caller": key, "ms": round(ms, 2), "count": count} for key, (ms, count) in rows]
 
 
 def gemm_shapes(events: list, gemms: list) -> list:
@@ -298,9 +338,10 @@ def gemm_shapes(events: list, gemms: list) -> list:
         op = ops.get(kernel.get("args", {}).get("External id"), {})
         dims = [d for d in op.get("args", {}).get("Input Dims", []) if d]
         mats = [d for d in dims if len(d) >= 2][-2:]  # addmm's bias first: the last two matrices are the product's
-        flops = 0
-        if len(mats) == 2 and mats[0][-1] == mats[1][-2]:
-            flops = 2 * mats[0][-2] * mats[0][-1] * mats[1][-1] * (mats[0][0] if len(mats[0]) == 3 else 1)
+        flops, (a, b) = 0, (mats if len(mats) == 2 else ([0, 0], [1, 1]))
+        shared = [k for k in (a[-1], a[-2]) if k in b[-2:]]  # the inner dimension, either operand maybe transposed
+        if shared:  # (a compiled graph's extern mm records its operands as laid out)
+            flops = 2 * a[-2] * a[-1] * b[-2] * b[-1] // shared[0] * (a[0] if len(a) == 3 else 1)
         key = f"{op.get('name', '?')} {' x '.join(map(str, mats))}"
         ms, count, total = rows.get(key, (0.0, 0, 0))
         rows[key] = (ms + kernel["dur"] / 1e3, count + 1, total + flops)
