@@ -956,7 +956,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
-    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)  # tensors exported as loaded
+    # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
+    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
     source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
     if not meta:  # a resume's weights come with its optimizer's state
         load_pretrained(model, source, source_dtypes) if pretrained else init_random(model, cfg.seed)
@@ -1665,7 +1666,6 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             line = f"step {step}: {new} allocation retries, {given_back} back; {len(self.kept)} of {len(names)} kept"
         elif self.growing and (more := parts_to_keep(self.sizes, self.seconds, self.room(peak), self.kept)):
             self.kept, self.clean_steps = self.kept + more, 0  # measured peaks correct the sizes' error
-            torch.cuda.empty_cache()  # a fresh layout for the next step: its retries mean no room, not fragmentation
             line = f"step {step}: peak {peak / 2**30:.1f} GiB, room for {[names[j] for j in more]} too"
         for i, layer in enumerate(self.layers):  # a layer whose parts are all recomputed is recomputed whole
             parts = [(j, part) for j, (k, _, part) in enumerate(self.parts) if k == i]
