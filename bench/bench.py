@@ -135,6 +135,7 @@ def cmd_ours(args) -> None:
         on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
+    hooks += [memory_outside_torch()] if os.environ.get("BENCH_MEMINFO") else []
 
     def hook(step, model, loss_sum, blocks):
         for each in hooks:
@@ -143,6 +144,39 @@ def cmd_ours(args) -> None:
     result = train.train(train.load_config(("bench", config), ("--set", overrides)), step_hook=hook)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"bench: ours done {json.dumps(result)}", flush=True)
+
+
+def memory_outside_torch():
+    """BENCH (BENCH_MEMINFO=1): a step hook printing the GPU memory held outside PyTorch's allocator (total - free -
+    reserved: the CUDA context, loaded kernels, their local memory, NCCL), which auto's room cannot use. After step
+    1's backward it sets CUDA's stack limit (per-thread local memory, reserved for the hungriest kernel loaded, e.g.
+    an autotuner's trials) back to the driver's default, and prints what that gave back."""
+    import ctypes
+
+    import torch
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def outside() -> float:
+        free, total = torch.cuda.mem_get_info()
+        return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+    def stack_limit() -> int:
+        value = ctypes.c_size_t()
+        cuda.cuCtxGetLimit(ctypes.byref(value), 0)  # CU_LIMIT_STACK_SIZE
+        return value.value
+
+    def hook(step, model, loss_sum, blocks):
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        torch.cuda.synchronize()
+        line = f"bench: meminfo step {step}: outside torch {outside():.2f} GiB, stack limit {stack_limit()} B"
+        if step == 1:
+            rc = cuda.cuCtxSetLimit(0, ctypes.c_size_t(1024))  # the driver's default
+            line += f"; stack limit set to 1024 B (rc {rc}): outside torch {outside():.2f} GiB"
+        print(line, flush=True)
+
+    return hook
 
 
 def token_mixers(layers) -> list:
