@@ -956,8 +956,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
-    # The dtype each tensor is exported in: the checkpoint's; with random weights, the compute dtype.
-    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)
+    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)  # export: the source's dtypes
     source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
     if not meta:  # a resume's weights come with its optimizer's state
         load_pretrained(model, source, source_dtypes) if pretrained else init_random(model, cfg.seed)
@@ -1624,7 +1623,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # then CUDA's stack limit (0) back to its default: step 1's autotuning trials left
+            ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(1024))  # their local memory (6.5 GiB, H200)
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             for _, _, part in self.parts:

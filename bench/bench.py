@@ -135,7 +135,7 @@ def cmd_ours(args) -> None:
         on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
-    hooks += [memory_outside_torch()] if os.environ.get("BENCH_MEMINFO") else []
+    hooks += [memory_outside_torch()] if os.environ.get("BENCH_MEMINFO") else []  # (eighteenth round)
 
     def hook(step, model, loss_sum, blocks):
         for each in hooks:
@@ -148,33 +148,24 @@ def cmd_ours(args) -> None:
 
 def memory_outside_torch():
     """BENCH (BENCH_MEMINFO=1): a step hook printing the GPU memory held outside PyTorch's allocator (total - free -
-    reserved: the CUDA context, loaded kernels, their local memory, NCCL), which auto's room cannot use. After step
-    1's backward it sets CUDA's stack limit (per-thread local memory, reserved for the hungriest kernel loaded, e.g.
-    an autotuner's trials) back to the driver's default, and prints what that gave back."""
+    reserved: the CUDA context, loaded kernels, their local memory, NCCL), which auto's room cannot use, and CUDA's
+    stack limit, which sizes the local memory reserved: step 1's line comes before auto sets that limit back to its
+    default (train.py's RecomputeProbe), step 2's after."""
     import ctypes
 
     import torch
 
     cuda = ctypes.CDLL("libcuda.so.1")
 
-    def outside() -> float:
-        free, total = torch.cuda.mem_get_info()
-        return (total - free - torch.cuda.memory_reserved()) / 2**30
-
-    def stack_limit() -> int:
-        value = ctypes.c_size_t()
-        cuda.cuCtxGetLimit(ctypes.byref(value), 0)  # CU_LIMIT_STACK_SIZE
-        return value.value
-
     def hook(step, model, loss_sum, blocks):
         if int(os.environ.get("RANK", "0")) != 0:
             return
         torch.cuda.synchronize()
-        line = f"bench: meminfo step {step}: outside torch {outside():.2f} GiB, stack limit {stack_limit()} B"
-        if step == 1:
-            rc = cuda.cuCtxSetLimit(0, ctypes.c_size_t(1024))  # the driver's default
-            line += f"; stack limit set to 1024 B (rc {rc}): outside torch {outside():.2f} GiB"
-        print(line, flush=True)
+        free, total = torch.cuda.mem_get_info()
+        limit = ctypes.c_size_t()
+        cuda.cuCtxGetLimit(ctypes.byref(limit), 0)  # CU_LIMIT_STACK_SIZE
+        outside = (total - free - torch.cuda.memory_reserved()) / 2**30
+        print(f"bench: meminfo step {step}: outside torch {outside:.2f} GiB, stack limit {limit.value} B", flush=True)
 
     return hook
 
@@ -229,7 +220,7 @@ KERNEL_KINDS = [
     ("attention (flash)", r"flash|fmha"),  # before the GEMMs: FlashAttention's kernels are CUTLASS templates
     ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("causal-conv1d", r"causal_conv1d"),
-    ("Gated DeltaNet (fla)", r"chunk|gated_delta|solve_tril|recompute_w_u|l2norm|kkt|cumsum|fused_recurrent|qla"),
+    ("Gated DeltaNet (fla)", r"chunk(?!_cat)|gated_delta|wy_repr|solve_tril|w_u|l2norm|kkt|cumsum|recurrent|qla"),
     ("cross-entropy", r"cross_entropy|softmax|nll_loss"),
     ("optimizer (AdamW)", r"adam|multi_tensor"),
     ("compiled norms and MLPs (Inductor)", r"^triton_"),

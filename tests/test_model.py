@@ -1,5 +1,6 @@
 """The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
 
+import ctypes
 import dataclasses
 import itertools
 
@@ -197,6 +198,9 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: next(allocated))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    limits, load = [], ctypes.CDLL  # CUDA's driver, its stack limit (0) set by cuCtxSetLimit, then room measured
+    driver = type("Driver", (), {"cuCtxSetLimit": lambda self, limit, size: limits.append((limit, size.value))})
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver() if name == "libcuda.so.1" else load(name))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -214,7 +218,7 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     job.optimizer.step()  # step 1's, which makes AdamW's moments
     moments, total = 2 * sum(p.nbytes for p in model.parameters()), 2**40
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (total // 2, total))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (limits.append("room"), (total // 2, total))[1])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: total // 2)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
     peak = total - moments + (-1 if moments_fit else 1)  # by the GPU's whole memory: step 1's peak bounds the next
@@ -227,9 +231,10 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     assert len({type(part) for _, _, part in probe.parts}) == len(PARTS)  # one class per kind of part
     skipped = train.StepStats(max_blocks=1, blocks=1, loss_tokens=36, tokens=37, sum_sq_len=37**2)  # loss_sum None
     probe.after_step(job, skipped)
-    assert probe.seconds is None and probe.kept is None  # a skipped step does not count
+    assert probe.seconds is None and probe.kept is None and not limits  # a skipped step does not count
     probe.after_step(job, dataclasses.replace(skipped, loss_sum=torch.tensor(1.0)))
     assert probe.kept is None  # measured; the decision waits for the next step's peak
+    assert limits == [(0, 1024), "room"]  # the local memory step 1's autotuning reserved, given back, then room read
     assert [layer._gradient_checkpointing_func for layer in layers] == original
     assert not any(part.measure for _, _, part in probe.parts)
     assert probe.seconds == [1e-3] * n
