@@ -1623,8 +1623,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
-            torch.cuda.synchronize()  # then CUDA's stack limit (0) back to its default: step 1's autotuning trials left
-            ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(1024))  # their local memory (6.5 GiB, H200)
+            torch.cuda.synchronize()  # then CUDA's stack limit (0) at its default: step 1's autotuning trials reserved
+            torch.version.cuda and ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(1024))  # 6.5 GiB
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             for _, _, part in self.parts:

@@ -230,6 +230,7 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     assert probe.bytes == [2**20] * n  # less the output, plus the input: both [1, 37, hidden] in fp32
     assert len({type(part) for _, _, part in probe.parts}) == len(PARTS)  # one class per kind of part
     skipped = train.StepStats(max_blocks=1, blocks=1, loss_tokens=36, tokens=37, sum_sq_len=37**2)  # loss_sum None
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build's (None: a CPU or ROCm build's, no call)
     probe.after_step(job, skipped)
     assert probe.seconds is None and probe.kept is None and not limits  # a skipped step does not count
     probe.after_step(job, dataclasses.replace(skipped, loss_sum=torch.tensor(1.0)))
