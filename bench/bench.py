@@ -318,17 +318,18 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
 
 def launch_ranges(events: list) -> dict:
     """Each launch's correlation id -> the names of the host ranges around it (record_function labels such as FSDP's,
-    and ops), outermost first: a sweep over each thread's ranges and launches in time order."""
+    and ops), outermost first: a sweep over each thread's ranges and launches in time order. Launches are CUDA
+    runtime calls (PyTorch's kernels, copies) and driver calls (Triton's: fla's and Inductor's kernels)."""
     by_thread, around = {}, {}
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
             by_thread.setdefault(e["tid"], []).append((e["ts"], 0, -e["dur"], e))
-        elif e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             by_thread.setdefault(e["tid"], []).append((e["ts"], 1, 0, e))
     for items in by_thread.values():
         stack = []
         for ts, is_launch, _, e in sorted(items, key=lambda item: item[:3]):
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:  # ended (a range ending where the next begins)
                 stack.pop()
             if is_launch:
                 around[e["args"]["correlation"]] = [r["name"] for r in stack]
@@ -338,12 +339,12 @@ def launch_ranges(events: list) -> dict:
 
 
 def by_caller(events: list, kernels: list) -> list:
-    """Kernels' time (GEMMs aside) by what launched them: FSDP's label (FSDP::...) when one is around the launch,
-    else the innermost op, with the kernel's kind: where the copies, casts and elementwise work come from."""
+    """Kernels' time (GEMMs aside) by what launched them: the innermost of FSDP's labels (FSDP::...) around the
+    launch, else the innermost op, with the kernel's kind: where the copies, casts and elementwise work come from."""
     around, rows = launch_ranges(events), {}
     for kernel in kernels:
         names = around.get(kernel.get("args", {}).get("correlation"), [])
-        label = next((n for n in names if n.startswith("FSDP")), names[-1] if names else "?")
+        label = next((n for n in reversed(names) if n.startswith("FSDP")), names[-1] if names else "?")
         kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, kernel["name"], re.IGNORECASE))
         key = f"{label} [{kind}: {kernel['name'][:40]}]"
         ms, count = rows.get(key, (0.0, 0))
@@ -354,19 +355,22 @@ def by_caller(events: list, kernels: list) -> list:
 
 def gemm_shapes(events: list, gemms: list) -> list:
     """GEMM kernels' time by the op that launched them and its operands' shapes (the profile's record_shapes), each
-    row's FLOP rate (2 M N K per product; a batched product's B times that), the slowest in total first, and a last
-    row for all of them: which matrix products run far from the GPU's peak."""
+    row's FLOP rate (2 M N K per product, a batched product's B times that, counted once per op however many
+    kernels it launched), a first row for all of them, then the slowest in total first: which products run far
+    from the GPU's peak."""
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     ops = {e["args"]["External id"]: e for e in ops if "External id" in e.get("args", {})}
-    rows = {}
+    rows, counted = {}, set()
     for kernel in gemms:
-        op = ops.get(kernel.get("args", {}).get("External id"), {})
-        dims = [d for d in op.get("args", {}).get("Input Dims", []) if d]
-        mats = [d for d in dims if len(d) >= 2][-2:]  # addmm's bias first: the last two matrices are the product's
+        op_id = kernel.get("args", {}).get("External id")
+        op = ops.get(op_id, {})
+        mats = [d for d in op.get("args", {}).get("Input Dims", []) if len(d or []) >= 2]
+        # addmm's accumulator (a matrix for addmm_) comes first, an out= argument last: the product's two in between
+        mats = mats[1:3] if "add" in op.get("name", "") and len(mats) >= 3 else mats[:2]
         flops, (a, b) = 0, (mats if len(mats) == 2 else ([0, 0], [1, 1]))
-        shared = [k for k in (a[-1], a[-2]) if k in b[-2:]]  # the inner dimension, either operand maybe transposed
-        if shared:  # (a compiled graph's extern mm records its operands as laid out)
-            flops = 2 * a[-2] * a[-1] * b[-2] * b[-1] // shared[0] * (a[0] if len(a) == 3 else 1)
+        if a[-1] == b[-2] and op_id not in counted:
+            flops = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+            counted.add(op_id)
         key = f"{op.get('name', '?')} {' x '.join(map(str, mats))}"
         ms, count, total = rows.get(key, (0.0, 0, 0))
         rows[key] = (ms + kernel["dur"] / 1e3, count + 1, total + flops)
