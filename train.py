@@ -956,7 +956,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
-    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)  # export: the source's dtypes
+    pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)  # exported as loaded
     source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
     if not meta:  # a resume's weights come with its optimizer's state
         load_pretrained(model, source, source_dtypes) if pretrained else init_random(model, cfg.seed)

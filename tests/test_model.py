@@ -178,10 +178,11 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     their own __call__ (one class per kind of part, as torch.compile's guards want), and the measured step runs each
     layer's recomputation to its end (PyTorch stops it early by default): every part is measured twice, its output
     not counted but its input counted (a kept part keeps it); after the step the measuring is off and the original
-    checkpoint function is back, and the next step runs as any other. AdamW's
+    checkpoint function is back, and the next step runs as any other. Before the room is read, CUDA's stack limit
+    is set back to its default (a CUDA build only), giving back what step 1's autotuning reserved. AdamW's
     moments stay on the GPU if step 1's peak leaves room for them, by a byte either way. (CUDA's memory counters
-    are faked here: each forward "allocates" 1 MB more than it returns; the real memory is measured on the GPU,
-    docs/BENCHMARKS.md.)"""
+    and driver are faked here: each forward "allocates" 1 MB more than it returns; the real memory is measured on
+    the GPU, docs/BENCHMARKS.md.)"""
     records, allocated = [], itertools.cycle([0, 2**20])
 
     class Event:
