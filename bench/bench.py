@@ -266,11 +266,15 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
     sync such as .item() returns once the GPU has caught up; what the host does next is the gap). Collectives run
     on streams of their own, overlapping compute: the kinds add up to more than the wall time."""
     on_gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    kinds, kernels, by_stream, gemms = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}, {}, []
+    kinds, kernels, by_stream = dict.fromkeys([name for name, _ in KERNEL_KINDS], 0.0), {}, {}
+    gemms, others = [], []  # the GEMM kernels; the rest, each with its kind
     for e in on_gpu:
         kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, e["name"], re.IGNORECASE))
         kinds[kind] += e["dur"] / 1e3
-        gemms += [e] if kind.startswith("GEMMs") else []
+        if kind.startswith("GEMMs"):
+            gemms.append(e)
+        else:
+            others.append((e, kind))
         ms, count = kernels.get(e["name"], (0.0, 0))
         kernels[e["name"]] = (ms + e["dur"] / 1e3, count + 1)
         if not kind.startswith("NCCL"):
@@ -302,8 +306,7 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
         print(f"bench: profile {k:38s} {v['ms']:9,.1f} ms {100 * v['share']:5.1f}%")
     for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:shown]:
         print(f"bench: profile kernel {ms:9,.1f} ms {count:6d}x {name[:110]}")
-    gemm_ids = set(map(id, gemms))
-    summary["by_caller"] = by_caller(events, [e for e in on_gpu if id(e) not in gemm_ids])
+    summary["by_caller"] = by_caller(events, others)
     for row in summary["by_caller"][:shown]:
         print(f"bench: profile caller {row['ms']:9,.1f} ms {row['count']:6d}x {row['caller'][:120]}")
     summary["gemms"] = gemm_shapes(events, gemms)
@@ -339,13 +342,13 @@ def launch_ranges(events: list) -> dict:
 
 
 def by_caller(events: list, kernels: list) -> list:
-    """Kernels' time (GEMMs aside) by what launched them: the innermost of FSDP's labels (FSDP::...) around the
-    launch, else the innermost op, with the kernel's kind: where the copies, casts and elementwise work come from."""
+    """Kernels' time (kernels: (event, kind) pairs, GEMMs aside) by what launched them: the innermost of FSDP's
+    labels (FSDP::...) around the launch, else the innermost op, with the kernel's kind: where the copies, casts and
+    elementwise work come from."""
     around, rows = launch_ranges(events), {}
-    for kernel in kernels:
+    for kernel, kind in kernels:
         names = around.get(kernel.get("args", {}).get("correlation"), [])
         label = next((n for n in reversed(names) if n.startswith("FSDP")), names[-1] if names else "?")
-        kind = next(n for n, rx in KERNEL_KINDS if re.search(rx, kernel["name"], re.IGNORECASE))
         key = f"{label} [{kind}: {kernel['name'][:40]}]"
         ms, count = rows.get(key, (0.0, 0))
         rows[key] = (ms + kernel["dur"] / 1e3, count + 1)
@@ -367,10 +370,11 @@ def gemm_shapes(events: list, gemms: list) -> list:
         mats = [d for d in op.get("args", {}).get("Input Dims", []) if len(d or []) >= 2]
         # addmm's accumulator (a matrix for addmm_) comes first, an out= argument last: the product's two in between
         mats = mats[1:3] if "add" in op.get("name", "") and len(mats) >= 3 else mats[:2]
-        flops, (a, b) = 0, (mats if len(mats) == 2 else ([0, 0], [1, 1]))
-        if a[-1] == b[-2] and op_id not in counted:
-            flops = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+        flops = 0
+        if len(mats) == 2 and mats[0][-1] == mats[1][-2] and op_id not in counted:
+            a, b = mats
             counted.add(op_id)
+            flops = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
         key = f"{op.get('name', '?')} {' x '.join(map(str, mats))}"
         ms, count, total = rows.get(key, (0.0, 0, 0))
         rows[key] = (ms + kernel["dur"] / 1e3, count + 1, total + flops)
