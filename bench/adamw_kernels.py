@@ -1,0 +1,157 @@
+"""BENCH: AdamW's step over the 8-layer geometry's trained parameters (fp32 masters, as train.py keeps them on one
+GPU), timed on the GPU alone: how close each implementation comes to the memory bandwidth a plain copy reaches.
+
+    python3 bench/adamw_kernels.py [--model-config bench/configs/qwen3.8-27b-geometry-8layers] [--steps 5]
+        [--variants per-tensor-floats per-tensor-tensors compiled-foreach dtensor]
+
+Prints one line per implementation: ms per step, and the GB/s of the bytes an update must move (param, gradient
+and the two moments read; param and moments written: 28 bytes a parameter in fp32). torch's fused and foreach
+AdamW always run; the variants are compiled ones (docs/BENCHMARKS.md, nineteenth round)."""
+
+import argparse
+import time
+from functools import partial
+
+import torch
+
+
+def trained_shapes(model_config: str) -> list:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def timed(fn, steps: int) -> float:
+    fn()  # warm-up (compiles, allocates state)
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-config", default="bench/configs/qwen3.8-27b-geometry-8layers")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--variants", nargs="*", default=["per-tensor-floats", "per-tensor-tensors", "compiled-foreach", "dtensor"]
+    )
+    args = p.parse_args()
+    shapes = trained_shapes(args.model_config)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for _, s in shapes]
+    for q in params:
+        q.grad = torch.randn_like(q) * 1e-3
+    n = sum(q.numel() for q in params)
+    embedding = params[[name for name, _ in shapes].index("model.embed_tokens.weight")]
+    groups = [
+        {"params": [q for q in params if q.ndim >= 2 and q is not embedding]},
+        {"params": [q for q in params if q.ndim < 2 or q is embedding], "weight_decay": 0.0},
+    ]
+    print(f"adamw: {len(params)} tensors, {n / 1e9:.3f} B parameters (fp32)", flush=True)
+    big = torch.empty(2**30, device="cuda")
+    copy_ms = timed(big.clone, args.steps)
+    print(f"adamw: copy of 4 GiB: {copy_ms:.2f} ms, {2 * big.numel() * 4 / copy_ms / 1e6:,.0f} GB/s", flush=True)
+    del big
+    scale = torch.tensor(1.7, device="cuda")
+
+    def report(name: str, ms: float) -> None:
+        print(f"adamw: {name:46s} {ms:7.2f} ms  {n * 28 / ms / 1e6:7,.0f} GB/s", flush=True)
+
+    for name, kwargs in (
+        ("torch fused (grad_scale: train.py's clipping)", {"fused": True}),
+        ("torch foreach", {"foreach": True}),
+    ):
+        opt = torch.optim.AdamW(groups, lr=1e-5, weight_decay=0.1, **kwargs)
+        if kwargs.get("fused"):
+            opt.grad_scale = scale
+        report(name, timed(opt.step, args.steps))
+        opt.state.clear()
+        del opt
+        torch.cuda.empty_cache()
+
+    torch._dynamo.config.recompile_limit = 64
+    dtensors = as_dtensors(params) if "dtensor" in args.variants else None
+    step = None
+    for variant in args.variants:
+        step = None  # the last variant's state freed first
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        if variant.startswith("per-tensor-"):  # per-tensor-floats, per-tensor-tensors
+            step = per_tensor_step(params, groups, variant.removeprefix("per-tensor-"))
+        elif variant == "compiled-foreach":  # torch's foreach AdamW, torch.compile'd with the clipping before it
+            step = compiled_foreach_step(params, groups)
+        else:  # the same on FSDP2's parameters (DTensors, a mesh of one)
+            of = {id(q): d for q, d in zip(params, dtensors)}
+            step = compiled_foreach_step(dtensors, [{**g, "params": [of[id(q)] for q in g["params"]]} for g in groups])
+        step(scale)
+        print(f"adamw: {variant}: first step (compiles) {time.perf_counter() - t:.1f} s", flush=True)
+        report(variant, timed(partial(step, scale), args.steps))
+        torch.cuda.empty_cache()
+
+
+def per_tensor_step(params: list, groups: list, scalars_as: str):
+    """One compiled update a tensor. scalars_as "floats": each tensor in its own shape, the scalars as Python floats
+    (specialised: a real run's learning rate and bias corrections change every step, and would recompile);
+    "tensors": each tensor flattened, the scalars as 0-d tensors (one graph)."""
+
+    @torch.compile(dynamic=True)
+    def update(p, g, m, v, lr, wd, b1, b2, eps, bc1, bc2_sqrt, inv_scale):
+        g = g * inv_scale
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.mul_(1 - lr * wd).addcdiv_(m, v.sqrt() / bc2_sqrt + eps, value=-lr / bc1)
+
+    flat = scalars_as == "tensors"
+    on = dict(device=params[0].device)
+    shaped = (lambda t: t.view(-1)) if flat else (lambda t: t)
+    moments = [(shaped(torch.zeros_like(q)), shaped(torch.zeros_like(q))) for q in params]
+    decay = {id(q) for q in groups[0]["params"]}
+    wds = [0.1 if id(q) in decay else 0.0 for q in params]
+    scalars = (1e-5, 0.9, 0.95, 1e-8, 0.1, 0.2)  # lr, beta1, beta2, eps, bias corrections 1 and sqrt(2)
+    if flat:
+        scalars, wds = [torch.tensor(x, **on) for x in scalars], [torch.tensor(x, **on) for x in wds]
+
+    def step(scale):
+        inv = 1 / scale
+        lr, b1, b2, eps, bc1, bc2 = scalars
+        for q, (m, v), wd in zip(params, moments, wds):
+            update(shaped(q.data), shaped(q.grad), m, v, lr, wd, b1, b2, eps, bc1, bc2, inv)
+
+    return step
+
+
+def compiled_foreach_step(params: list, groups: list):
+    opt = torch.optim.AdamW(groups, lr=torch.tensor(1e-5), weight_decay=0.1, foreach=True, capturable=True)
+
+    @torch.compile
+    def step(scale):
+        torch._foreach_div_([q.grad for q in params], scale)
+        opt.step()
+
+    return step
+
+
+def as_dtensors(params: list) -> list:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=params[0].device)
+    mesh = dist.init_device_mesh("cuda", (1,))
+    out = []
+    for q in params:
+        d = torch.nn.Parameter(DTensor.from_local(q.data, mesh, [Shard(0)]))
+        d.grad = DTensor.from_local(q.grad, mesh, [Shard(0)])
+        out.append(d)
+    return out
+
+
+if __name__ == "__main__":
+    main()
