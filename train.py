@@ -144,7 +144,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
 Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
-STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop (stop_requested)
+STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop before each step
 
 
 def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's (or a notebook decorator's) group
@@ -415,11 +415,10 @@ class AssistantMasker:
         spans += [(reasoning_at.get(i, start), end) for i, (start, end) in call_only.items()]
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)  # spans: character ranges
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        mask = [any(a <= start and end <= b for a, b in spans) for start, end in offsets]
         starts, ends = {start for start, _ in offsets}, {end for _, end in offsets}
         if any(a not in starts or b not in ends for a, b in spans):
             raise Skip("assistant span not on token boundaries")
-        return ids, mask, dropped
+        return ids, [any(a <= start and end <= b for a, b in spans) for start, end in offsets], dropped
 
     def end_of_turn(self, text: str, start: int = 0) -> int | None:
         """Where the first special token at or after start ends (the longest one there), or None."""
@@ -720,13 +719,6 @@ def load_pretrained(model, path: Path, source_dtypes: dict) -> None:
     dcp.load({k: v for k, v in state.items() if k in source_dtypes}, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
-def init_random(model, seed: int) -> None:
-    torch.manual_seed(seed)  # init: random (benchmarks and tests): the model's own initialiser on this rank's shards
-    with torch.no_grad(), implicit_replication():  # implicit_replication: an initialiser that copies a plain
-        for module in model.modules():  # tensor into a shard (A_log) copies this rank's slice
-            model._init_weights(module)
-
-
 # ---- Loss: the LM head and cross-entropy on the loss positions only, in chunks -----------------------------------
 def packed_inputs(block: dict) -> dict:  # the token ids and the signals that keep the block's conversations apart
     return {
@@ -757,9 +749,7 @@ def softmax_gradient(logits: torch.Tensor, targets: torch.Tensor):  # rows' cros
     return lse - x.gather(1, targets[:, None]).squeeze(1), torch.where(hit, softmax - 1, softmax).to(logits.dtype)
 
 
-class HeadLoss(torch.autograd.Function):
-    """LM head and cross-entropy, gradients computed in the forward (no logits kept): every token must weigh alike."""
-
+class HeadLoss(torch.autograd.Function):  # LM head and cross-entropy, their gradients in the forward: no logits kept
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool, loss_fn):
         losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
@@ -928,7 +918,7 @@ def training_loop(job: Job, blocks, operations: list[Operation]) -> str:
     cfg, progress, data = job.cfg, job.progress, job.progress.blocks_of(blocks, job.cfg.num_workers)
     job.model.train()
     while progress.step < job.total_steps:
-        if stop_requested(job.d):  # before the step takes its blocks: a checkpoint resumes there
+        if all_reduced(float(STOP.is_set()), job.d, dist.ReduceOp.MAX):  # any rank's SIGTERM: a checkpoint resumes here
             return "stopped"
         waiting, step_blocks = time.perf_counter(), list(itertools.islice(data, cfg.gradient_accumulation_steps))
         stats = train_step(job, step_blocks, data_wait_s=time.perf_counter() - waiting)
@@ -958,8 +948,13 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     model = build_model(config, cfg, attn, d.device)
     pretrained, compute_dtype = cfg.init == "pretrained", getattr(torch, cfg.param_dtype)  # exported as loaded
     source_dtypes = checkpoint_dtypes(source) if pretrained else dict.fromkeys(model.state_dict(), compute_dtype)
-    if not meta:  # a resume's weights come with its optimizer's state
-        load_pretrained(model, source, source_dtypes) if pretrained else init_random(model, cfg.seed)
+    if pretrained and not meta:  # a resume's weights come with its optimizer's state
+        load_pretrained(model, source, source_dtypes)
+    elif not meta:  # init: random (benchmarks and tests): the model's own initialiser on this rank's shards
+        torch.manual_seed(cfg.seed)
+        with torch.no_grad(), implicit_replication():  # implicit_replication: an initialiser that copies a plain
+            for module in model.modules():  # tensor into a shard (A_log) copies this rank's slice
+                model._init_weights(module)
     ready_s = time.perf_counter() - t0
     if counted:  # the weights are in; what is left of the count is waited for
         max_blocks, packing = count_blocks(counting, cfg, d)
@@ -969,14 +964,15 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
-    print0(d.rank, describe_model(model, config, cfg, d, attn, total_steps, ready_s))  # a resume's: its own line
+    measured = cfg.activation_checkpointing == "auto" and d.device.type == "cuda"  # auto: RecomputeProbe, on GPUs only
+    print0(d.rank, describe_model(model, cfg, d, attn, total_steps, ready_s, measured))  # a resume's: its own line
     filler = filler_block(pad_token_id(tokenizer))
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
     with MetricsLog(cfg, d, model, packing) as log:
         evaluator = Evaluator(cfg, tokenizer, d, filler, log) if cfg.eval_split or cfg.eval_fraction else Operation()
-        with stop_on_sigterm(), HangWatch(job) as watch:
-            checkpoints = Checkpointer(job, log)  # the watch first below: its at_end gives the rest the long timeout
-            probe = RecomputeProbe(job) if recompute_is_measured(cfg, d.device) else Operation()
+        with stop_on_sigterm(), HangWatch(job) as watch:  # first below: its at_end gives the rest the long timeout
+            checkpoints = Checkpointer(job, log) if cfg.save_every >= 0 else Operation()
+            probe = RecomputeProbe(job) if measured else Operation()
             operations = [watch, log, probe, checkpoints, evaluator]  # the probe: a step's peak before a save or eval
             finish_training(job, training_loop(job, blocks, operations), operations)
         log.summary(job)
@@ -1015,7 +1011,8 @@ def main(argv: list[str] | None = None) -> None:
         print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
         code = 2 if isinstance(e, UserError) else 128 + signal.SIGTERM
     with contextlib.suppress(OSError):  # a pipe closed with the launcher
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)  # no teardown: gloo's group outlives destroy_process_group, and its threads can abort it (SIGABRT)
 
 
@@ -1188,7 +1185,10 @@ def check_tracking_store() -> None:  # tried first: a store MetricsLog cannot us
     import mlflow
 
     try:  # the cheapest call that needs the store: the platform's run, or one experiment
-        mlflow.MlflowClient().get_run(run_id) if run_id else mlflow.MlflowClient().search_experiments(max_results=1)
+        if run_id:
+            mlflow.MlflowClient().get_run(run_id)
+        else:
+            mlflow.MlflowClient().search_experiments(max_results=1)
     except (mlflow.exceptions.MlflowException, OSError, ImportError, ValueError) as e:  # ImportError: no db driver
         cause = e  # the innermost: "[Errno 111] Connection refused", not the URL (and any password in it) thrice
         while cause.__cause__ or cause.__context__:
@@ -1320,11 +1320,11 @@ def launched_s_ago() -> str:  # this process's age (Linux): its imports, startup
     return ""
 
 
-def describe_model(model, config, cfg: Config, d: Dist, attn: str, total_steps: int, seconds: float) -> str:
+def describe_model(model, cfg: Config, d: Dist, attn: str, total_steps: int, seconds: float, measured: bool) -> str:
     layers = model.get_decoder().layers  # the log's lines on the model, and the numbers derived from the settings
     recomputed = f"{sum(getattr(layer, 'gradient_checkpointing', False) for layer in layers)} recomputed"
-    recomputed += " until activation_checkpointing auto decides" if recompute_is_measured(cfg, d.device) else ""
-    line = f"model: {config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
+    recomputed += " until activation_checkpointing auto decides" if measured else ""
+    line = f"model: {model.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
     line += f"{len(layers)} decoder layers ({recomputed}{', norms and MLPs compiled' if cfg.compile else ''}), "
     line += f"attention {attn}, sharded over {d.world_size} ranks, {cfg.init} weights, ready in {seconds:.1f}s"
     line += f"{launched_s_ago()}, peak host memory {rss_gib():.1f} GiB on rank 0\n"
@@ -1434,7 +1434,8 @@ def resume_progress(path: Path, meta: dict, cfg: Config, d: Dist) -> Progress:  
     if changed := {k: v for k, v in now.items() if meta["config"].get(k) != v}:
         print0(d.rank, f"resuming with configuration changes: {changed}")
     saved = torch.load(path / f"rank_{d.rank:05d}.pt", weights_only=False)  # our own file: RNG tuples
-    torch.set_rng_state(saved["rng"]["torch"]), random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    random.setstate(saved["rng"]["python"])
     if "cuda" in saved["rng"]:
         torch.cuda.set_rng_state(saved["rng"]["cuda"], d.device)
     state = saved["progress"]  # dataclasses.asdict of a Progress
@@ -1463,9 +1464,8 @@ def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each ten
 def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
     buffer = torch.empty(like.shape, dtype=like.dtype)
     if pinned and buffer.nbytes:  # in place: PyTorch's pinned allocator rounds up to 2^n
-        cudart = torch.cuda.cudart()
-        cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
-        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+        weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
     return buffer
 
 
@@ -1475,9 +1475,8 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
     def __init__(self, job: Job, log: MetricsLog | None = None):
         self.job, self.log, self.pending, self.buffers, self.preparing = job, log, None, {}, None
         self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
-        if job.cfg.save_every >= 0:  # saves wait on this group, whose timeout stays long (not collective_timeout_s)
-            self.group = dist.new_group(backend="gloo")
-        if job.cfg.async_save and job.cfg.save_every >= 0:  # the staged copy's host memory (weights, AdamW's moments)
+        self.group = dist.new_group(backend="gloo")  # saves wait on it: a long timeout, not collective_timeout_s
+        if job.cfg.async_save:  # the staged copy's host memory (weights, AdamW's moments)
             ranks, gib = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size)), 2**30
             rank = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters()) / gib
             node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / gib
@@ -1489,16 +1488,16 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
         if self.pending and self.pending[0] and not all_reduced(int(not self.pending[0].done()), job.d):
             self.finish()  # no rank's background write is still running
         self.prepare()
-        cfg, step = job.cfg, job.progress.step
-        due = cfg.save_every > 0 and step % cfg.save_every == 0
-        if not due and cfg.save_every_minutes and cfg.save_every >= 0:  # after the last save, by rank 0's clock
-            late = torch.tensor(time.monotonic() - self.last >= 60 * cfg.save_every_minutes, device=job.d.device)
+        due = job.cfg.save_every > 0 and job.progress.step % job.cfg.save_every == 0
+        if not due and job.cfg.save_every_minutes:  # after the last save, by rank 0's clock
+            late = torch.tensor(time.monotonic() - self.last >= 60 * job.cfg.save_every_minutes, device=job.d.device)
             dist.broadcast(late, src=0)
             due = bool(late)
-        self.save() if due and step < job.total_steps else None
+        if due and job.progress.step < job.total_steps:
+            self.save()
 
     def at_end(self, job: Job, why: str) -> None:
-        if why != "diverged" and job.cfg.save_every >= 0 and job.progress.step != self.saved_step:
+        if why != "diverged" and job.progress.step != self.saved_step:
             self.save()
         self.finish()
 
@@ -1506,11 +1505,13 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
         return dict(zip(("model", "optimizer"), get_state_dict(self.job.model, self.job.optimizer)))
 
     def save(self) -> None:
-        self.log.flush(self.job) if self.log else None  # a checkpoint holds no open window
+        if self.log:
+            self.log.flush(self.job)  # a checkpoint holds no open window
         self.finish()  # the write in flight, if any
         job, d, progress = self.job, self.job.d, self.job.progress
         t0, path = time.perf_counter(), Path(job.cfg.output_dir) / "checkpoints" / f"step_{progress.step:08d}"
-        shutil.rmtree(path) if d.rank == 0 and path.exists() else None  # an earlier, interrupted save of this step
+        if d.rank == 0 and path.exists():  # an earlier, interrupted save of this step
+            shutil.rmtree(path)
         dist.barrier(self.group)
         path.mkdir(parents=True, exist_ok=True)  # a background write creates it only later
         state, future = self.state(), None
@@ -1529,8 +1530,7 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             self.finish()
 
     def prepare(self) -> None:  # once AdamW's state exists, a thread allocates and pins the staging buffers
-        cfg, optimizer = self.job.cfg, self.job.optimizer
-        if self.preparing or self.buffers or not optimizer.state or not cfg.async_save or cfg.save_every < 0:
+        if self.preparing or self.buffers or not self.job.optimizer.state or not self.job.cfg.async_save:
             return
         layout = []  # each rank-local tensor, whose shape and dtype the thread reads
         walk_tensors(self.state(), lambda key, v: layout.append((key, v.to_local() if isinstance(v, DTensor) else v)))
@@ -1559,14 +1559,16 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
 
         staged = walk_tensors(state, host)
-        torch.cuda.synchronize() if pinned else None
+        if pinned:  # the non_blocking copies are done before stage() returns
+            torch.cuda.synchronize()
         return staged
 
     def finish(self) -> None:  # waits for the write in flight; rank 0 then writes complete.json, removes the old
         if not self.pending:
             return
         (future, path, meta, t0, stall), cfg = self.pending, self.job.cfg
-        future.result() if future else None  # raises what the write raised
+        if future:
+            future.result()  # raises what the write raised
         dist.barrier(self.group)  # every rank has written its part
         self.pending = None
         if self.job.d.rank == 0:
@@ -1585,10 +1587,6 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
 
 
 # ---- The recompute probe: activation_checkpointing auto ----------------------------------------------------------
-def recompute_is_measured(cfg, device: torch.device) -> bool:
-    return recompute_share(cfg.activation_checkpointing) is None and device.type == "cuda"
-
-
 class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each layer's parts, later steps keep some
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
@@ -1624,7 +1622,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
             torch.cuda.synchronize()  # then CUDA's stack limit (0) at its default: step 1's autotuning trials reserved
-            torch.version.cuda and ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(1024))  # 6.5 GiB
+            if torch.version.cuda:  # a ROCm build has no libcuda
+                ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(1024))  # 6.5 GiB
             for layer, checkpoint_func in zip(self.layers, self.checkpoint_funcs):
                 layer._gradient_checkpointing_func = checkpoint_func
             for _, _, part in self.parts:
@@ -1673,7 +1672,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             for j, part in parts:
                 part.recomputed = j not in self.kept and not layer.gradient_checkpointing
             layer.set_reshard_after_forward(len(self.parts) not in self.kept)  # FSDP2's, kept or not
-        print0(self.job.d.rank, f"activation_checkpointing auto: {line}") if self.clean_steps == 0 else None
+        if self.clean_steps == 0:  # a part given back or more kept this step
+            print0(self.job.d.rank, f"activation_checkpointing auto: {line}")
         return self.clean_steps >= 10  # ten steps in a row without an allocator retry end the watch
 
 
@@ -1767,13 +1767,13 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
             mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items() if k not in run.data.params})
             self.mlflow = mlflow  # params cannot change: a resumed run logs only the ones its run does not have yet
-        self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
         self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
-        self.write({"step": 0, "packing": packing}) if packing else None
+        if packing:
+            self.write({"step": 0, "packing": packing})
 
     def __exit__(self, kind, error, traceback) -> None:  # as a context, it ends the MLflow run
         if self.mlflow:  # a job's run must not read as a success when it failed
@@ -1792,7 +1792,8 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             self.flush(job)
 
     def at_end(self, job: Job, why: str) -> None:
-        self.flush(job) if why != "diverged" else None
+        if why != "diverged":
+            self.flush(job)
 
     def flush(self, job: Job) -> None:  # logs the steps since the last line, if any; checks the skipped records' share
         if not self.window["steps"]:
@@ -1828,7 +1829,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
     def write(self, record: dict) -> None:
         if self.d.rank != 0:
             return
-        with open(self.path, "a") as f:
+        with open(Path(self.cfg.output_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.mlflow:
             flat = {}
@@ -1862,9 +1863,8 @@ class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per ra
             raise UserError(f"the eval data ({names}) yields no loss tokens")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
-        step, every = job.progress.step, self.cfg.eval_every
-        if every and step % every == 0 and step < job.total_steps:
-            self.evaluate(job.model, step)
+        if self.cfg.eval_every and job.progress.step % self.cfg.eval_every == 0 and job.progress.step < job.total_steps:
+            self.evaluate(job.model, job.progress.step)
 
     def at_end(self, job: Job, why: str) -> None:
         if why in ("done", "exhausted"):
@@ -1926,9 +1926,11 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
         earlier, message = json.loads(path.read_text()) if attempt else (attempt, "")
     if error is None and earlier < attempt:
         raise UserError(f"{message} (the attempt before this restart stopped on it)")
-    if d.rank == 0 and (error or attempt == 0):  # the first message is kept, however many attempts stop on it
-        with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
-            path.write_text(json.dumps([attempt, message or str(error)])) if error else path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # an output_dir that cannot be written: its own error says so
+        if d.rank == 0 and error:  # the first message is kept, however many attempts stop on it
+            path.write_text(json.dumps([attempt, message or str(error)]))
+        elif d.rank == 0 and attempt == 0:  # a new run: an old run's message must not stop its restarts
+            path.unlink(missing_ok=True)
 
 
 def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
@@ -1996,10 +1998,6 @@ class Interrupted(Exception):
     """SIGTERM reached a rank: raised on all once the checkpoint is complete; main() exits 128 + SIGTERM."""
 
 
-def stop_requested(d: Dist) -> bool:
-    return bool(all_reduced(float(STOP.is_set()), d, dist.ReduceOp.MAX))  # any rank's SIGTERM, the same on every rank
-
-
 @contextlib.contextmanager
 def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save, instead of ending the process at once
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
@@ -2009,7 +2007,8 @@ def stop_on_sigterm():  # while training, SIGTERM asks the loop to stop and save
     try:
         yield
     finally:  # after a fault the launcher's SIGTERM would cut short the rank's report of it: it only sets STOP then
-        signal.signal(signal.SIGTERM, previous) if sys.exc_info()[0] is None else None
+        if sys.exc_info()[0] is None:
+            signal.signal(signal.SIGTERM, previous)
         late = STOP.is_set()
         STOP.clear()
     if late:  # during the final eval or save, after the last check: the export is left to the restart
@@ -2064,7 +2063,8 @@ def stop_at_end_of_turn(out: Path, tokenizer, model_config) -> None:  # eos_toke
 def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, d: Dist) -> Path:
     """output_dir/model: the Hugging Face checkpoint in the source's dtypes, files and configs; its tokenizer ours."""
     t0, out, index_file = time.perf_counter(), Path(cfg.output_dir) / "model", source / "model.safetensors.index.json"
-    shutil.rmtree(out) if d.rank == 0 and out.exists() else None
+    if d.rank == 0 and out.exists():
+        shutil.rmtree(out)
     dist.barrier()
     source_files = json.loads(index_file.read_text())["weight_map"] if index_file.exists() else {}
     file_number = {name: n for n, name in enumerate(sorted(set(source_files.values())), 1)}
