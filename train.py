@@ -970,7 +970,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
     with MetricsLog(cfg, d, model, packing) as log:
         evaluator = Evaluator(cfg, tokenizer, d, filler, log) if cfg.eval_split or cfg.eval_fraction else Operation()
-        with stop_on_sigterm(), HangWatch(job) as watch:  # first below: its at_end gives the rest the long timeout
+        with stop_on_sigterm(), HangWatch(job) as watch:  # first in operations: its at_end gives all a long timeout
             checkpoints = Checkpointer(job, log) if cfg.save_every >= 0 else Operation()
             probe = RecomputeProbe(job) if measured else Operation()
             operations = [watch, log, probe, checkpoints, evaluator]  # the probe: a step's peak before a save or eval
@@ -1472,7 +1472,7 @@ def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
 class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, AdamW, each rank's Progress and RNG)
     _synchronize_after_execute = False  # as DCP's stager: stage() returns the copy complete
 
-    def __init__(self, job: Job, log: MetricsLog | None = None):
+    def __init__(self, job: Job, log: MetricsLog | None = None):  # run() builds it only when save_every >= 0
         self.job, self.log, self.pending, self.buffers, self.preparing = job, log, None, {}, None
         self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
         self.group = dist.new_group(backend="gloo")  # saves wait on it: a long timeout, not collective_timeout_s
