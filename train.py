@@ -964,7 +964,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     if meta:
         resume_weights(resume_from, meta, model, optimizer, scheduler, d)
-    measured = cfg.activation_checkpointing == "auto" and d.device.type == "cuda"  # auto: RecomputeProbe, on GPUs only
+    measured = recompute_share(cfg.activation_checkpointing) is None and d.device.type == "cuda"  # by RecomputeProbe
     print0(d.rank, describe_model(model, cfg, d, attn, total_steps, ready_s, measured))  # a resume's: its own line
     filler = filler_block(pad_token_id(tokenizer))
     job = Job(cfg, d, model, optimizer, scheduler, total_steps, progress, filler, step_hook)
