@@ -79,7 +79,6 @@ def main() -> None:
 
     torch._dynamo.config.recompile_limit = 64
     dtensors = as_dtensors(params) if "dtensor" in args.variants else None
-    step = None
     for variant in args.variants:
         step = None  # the last variant's state freed first
         torch.cuda.empty_cache()
@@ -94,7 +93,6 @@ def main() -> None:
         step(scale)
         print(f"adamw: {variant}: first step (compiles) {time.perf_counter() - t:.1f} s", flush=True)
         report(variant, timed(partial(step, scale), args.steps))
-        torch.cuda.empty_cache()
 
 
 def per_tensor_step(params: list, groups: list):

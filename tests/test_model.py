@@ -219,7 +219,12 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     job.optimizer.step()  # step 1's, which makes AdamW's moments
     moments, total = 2 * sum(p.nbytes for p in model.parameters()), 2**40
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (limits.append("room"), (total // 2, total))[1])
+
+    def mem_get_info():  # auto reads its room here: recorded, to see the stack limit set back before it
+        limits.append("room")
+        return total // 2, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: total // 2)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)
     peak = total - moments + (-1 if moments_fit else 1)  # by the GPU's whole memory: step 1's peak bounds the next
