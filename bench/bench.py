@@ -18,7 +18,8 @@ Both recipes' random weights are created on the GPU; everything after that is ea
   losses RUN_A RUN_B        two runs' mean loss per window of steps, and their final losses
   steps RUN [RUN ...]       each run's steps (tok/s/GPU, fill, allocator retries) and its mean over the timed steps
                             whose blocks are full
-  logsteps LOG --seq-len N  a run's tok/s/GPU and MFU from its log's step lines (when metrics.jsonl is missing)
+  logsteps LOG --seq-len N  a run's tok/s/GPU and MFU from its log's step lines, ours or TRL's (when metrics.jsonl
+                            is missing)
   profile RUN [RUN ...]     a run made with --profile-from, summarised again from its trace: GPU time by kind, the
                             longest kernels, the compute stream's idle gaps and the host calls before each
   packing --tokenizer DIR --data FILE --seq-len N --ranks N
@@ -650,22 +651,27 @@ def cmd_steps(args) -> None:
             print(f"  mean over {len(full)} timed steps with full blocks: {sum(full) / len(full):,.0f} tok/s/GPU")
 
 
-STEP_LINE = re.compile(r"step (\d+)/\d+ \|.*?\| ([\d,]+) tok/s/gpu \|.*?\| mfu ([\d.]+)%")
+STEP_LINE = re.compile(r"step (\d+)/\d+ \|.*? ([\d,]+) tok/s/gpu \|.*? mfu ([\d.]+)%")  # train.py's and trl_peer.py's
+TRL_STEP = re.compile(r"\| (\d+) tokens, \d+ loss tokens \| ([\d.]+) s \|")  # trl_peer.py's: the step's own figures
 
 
 def cmd_logsteps(args) -> None:
     """A run's rates from its log's step lines, for a run whose metrics.jsonl did not come back from the GPU machine:
-    each step's seconds taken as its block length over its tok/s/GPU (blocks as good as full: one block a step, one
-    GPU), tok/s/GPU and MFU weighted by those seconds as `summary` weights them, over steps FIRST..LAST."""
-    steps = {
-        int(m[1]): (float(m[2].replace(",", "")), float(m[3])) for m in STEP_LINE.finditer(Path(args.log).read_text())
-    }
+    tok/s/GPU and MFU over steps FIRST..LAST, each step weighted by its seconds as `summary` weights them. A line of
+    bench/trl_peer.py gives its step's tokens and seconds; one of train.py, its tok/s/GPU only, so its block is taken
+    as full (one block a step, one GPU: the seconds are the block length over the rate)."""
+    steps = {}
+    for line in Path(args.log).read_text().splitlines():
+        if m := STEP_LINE.search(line):
+            rate, mfu, timed = float(m[2].replace(",", "")), float(m[3]), TRL_STEP.search(line)
+            tokens_and_seconds = (int(timed[1]), float(timed[2])) if timed else (args.seq_len, args.seq_len / rate)
+            steps[int(m[1])] = (*tokens_and_seconds, mfu)
     chosen = [i for i in sorted(steps) if args.first <= i <= (args.last or max(steps)) and i not in args.skip]
-    seconds = [args.seq_len / steps[i][0] for i in chosen]
-    rate = args.seq_len * len(chosen) / sum(seconds)
-    mfu = sum(steps[i][1] * dt for i, dt in zip(chosen, seconds)) / sum(seconds)
+    tokens, seconds = sum(steps[i][0] for i in chosen), sum(steps[i][1] for i in chosen)
+    mfu = sum(steps[i][2] * steps[i][1] for i in chosen) / seconds
     print(
-        f"{Path(args.log).name}: steps {chosen[0]}-{chosen[-1]} ({len(chosen)}): {rate:,.0f} tok/s/GPU, MFU {mfu:.1f}%"
+        f"{Path(args.log).name}: steps {chosen[0]}-{chosen[-1]} ({len(chosen)}): {tokens / seconds:,.0f} tok/s/GPU, "
+        f"MFU {mfu:.1f}%"
     )
 
 

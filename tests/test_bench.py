@@ -1,8 +1,14 @@
 """The benchmarks' own arithmetic, on CPU: what a benchmark times must be the work it names."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import adamw_kernels  # bench/ (pytest's pythonpath)
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("variant", ["per-tensor", "compiled-foreach"])
@@ -37,3 +43,27 @@ def test_adamw_kernels_variants_make_the_step_of_trains_fused_adamw(variant, mon
         expected = r.detach() - t
         assert expected.norm() > 0.1 * adamw_kernels.LR * expected.numel() ** 0.5  # the step moved it
         torch.testing.assert_close(p.detach() - t, expected, rtol=1e-4, atol=0)
+
+
+def test_logsteps_weights_each_step_by_its_seconds_from_both_recipes_lines(tmp_path):
+    """bench.py logsteps, for logs whose metrics.jsonl did not come back: train.py's lines give a rate (the block taken
+    as full), trl_peer.py's their step's tokens and seconds; the rate over the chosen steps is tokens over seconds."""
+    ours = [
+        "step 1/4 | loss 13.4 | lr 9e-07 | grad 32.8 | 217 tok/s/gpu | 101 loss-tok/s/gpu | mfu 0.6% | mem 85.0 GiB",
+        "step 2/4 | loss 13.5 | lr 1e-06 | grad 26.0 | 1,000 tok/s/gpu | 700 loss-tok/s/gpu | mfu 40.0% | mem 94 GiB",
+        "bench: meminfo step 3: outside torch 1.29 GiB",
+        "step 3/4 | loss 13.3 | lr 2e-06 | grad 27.1 | 4,000 tok/s/gpu | 3,000 loss-tok/s/gpu | mfu 60.0% | mem 99 GiB",
+    ]
+    trl = [
+        "step 2/4 | loss 12.9 | 800 tokens, 500 loss tokens | 1.0 s | 800 tok/s/gpu | mfu 20.0% | mem 89.0 GiB",
+        "step 3/4 | loss 12.8 | 600 tokens, 400 loss tokens | 0.5 s | 1,200 tok/s/gpu | mfu 30.0% | mem 89.0 GiB",
+    ]
+    results = []
+    for name, lines in (("ours", ours), ("trl", trl)):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        command = [sys.executable, str(ROOT / "bench" / "bench.py"), "logsteps", str(tmp_path / name), "--seq-len"]
+        proc = subprocess.run([*command, "1000", "--first", "2"], capture_output=True, text=True, check=True)
+        results.append(proc.stdout.strip())
+    # ours: 1 s and 0.25 s for two 1,000-token blocks; trl: 1,400 tokens in 1.5 s
+    assert results[0] == "ours: steps 2-3 (2): 1,600 tok/s/GPU, MFU 44.0%", results[0]
+    assert results[1] == "trl: steps 2-3 (2): 933 tok/s/GPU, MFU 23.3%", results[1]
