@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -192,10 +193,10 @@ def data_sources(cfg: Config, part: str) -> list[dict]:  # of "train" or "eval",
     one = {"name": cfg.dataset_name, "split": cfg.dataset_split, "revision": cfg.dataset_revision, "weight": 1}
     sources = [{"split": "train", "revision": "", "weight": 1, **source} for source in cfg.datasets] or [one]
     if part == "eval" and not cfg.eval_fraction:
-        held_out = {"name": cfg.eval_split, "split": ""} if Path(cfg.eval_split).suffix else {"split": cfg.eval_split}
+        held_out = {"name": cfg.eval_split, "split": ""} if data_file(cfg.eval_split) else {"split": cfg.eval_split}
         sources = [{**one, **held_out}]
     for s in sources:  # a local file has no splits: any split name of it reads it all
-        s["label"] = str(Path(s["name"]).resolve()) if Path(s["name"]).suffix else f"{s['name']} [{s['split']}]"
+        s["label"] = str(Path(s["name"]).resolve()) if data_file(s["name"]) else f"{s['name']} [{s['split']}]"
     return sources
 
 
@@ -215,7 +216,7 @@ def source_records(source: dict):  # (index, record) of a pass over it; a JSON l
 
 def decoded(record):  # a record, a JSON line's decoded; None for a line that is not UTF-8 JSON
     with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
-        return json.loads(record.decode("utf-8")) if isinstance(record, bytes) else record
+        return json.loads(record.decode("utf-8-sig")) if isinstance(record, bytes) else record  # -sig: a BOM
 
 
 def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int, skips, epoch=0, report=False):
@@ -273,6 +274,7 @@ def samples_of(record: dict, masker: AssistantMasker, cfg: Config) -> list[tuple
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
+data_file = re.compile(r".+\.(jsonl|json|parquet)").fullmatch  # a local data file, by its suffix; other names: hub's
 EXTRA_SAMPLES = "extra samples for earlier reasoning turns"  # a count beside conversations, not a skip reason
 
 
@@ -281,11 +283,11 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
     if not isinstance(messages, list) or not messages:
         raise Skip("messages not a non-empty list")
     try:
-        tools, joined = json.loads(tools) if isinstance(tools, str) else tools, []
+        tools, joined = json.loads(tools or "null") if isinstance(tools, str) else tools, []  # "": none
         for m in messages:
             if isinstance(m, dict) and "from" in m and "value" in m and m.get("role") is None:  # ShareGPT's form
                 said, value = m["from"], m["value"]
-                m = {"role": SHAREGPT_ROLES.get(said, said), "content": value}
+                m = {"role": SHAREGPT_ROLES.get(str(said), said), "content": value}  # a list: "unknown role"
                 if said == "function_call":  # as the tool call it is
                     call = json.loads(value) if isinstance(value, str) else value
                     m = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
@@ -660,8 +662,7 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
     layers, share = model.get_decoder().layers, recompute_share(cfg.activation_checkpointing)
-    if share is None or share > 0:  # auto starts with all (RecomputeProbe keeps some)
-        # transformers wraps each layer's forward inside FSDP's hooks (no all-gather outside FSDP's bookkeeping).
+    if share is None or share > 0:  # auto: all at first (RecomputeProbe keeps some); transformers' wraps in FSDP hooks
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         n, k = len(layers), round((1.0 if share is None else share) * len(layers))  # k: the layers recomputed
         for i, layer in enumerate(layers):  # a share f recomputes an evenly spread f of the layers
@@ -942,7 +943,8 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     counted = not (cfg.max_steps or meta)  # max_steps, a resume's, or counted as the weights load; bad lines said once
-    counting = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, 1, counting=True)) if counted else None
+    passes = cfg.epochs if len(cfg.datasets) > 1 else 1  # a mixture draws each epoch anew: each is counted
+    counting = counted and iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, passes, counting=True))
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
     source, t0 = on_every_rank(partial(pretrained_dir, cfg), d), time.perf_counter()
     model = build_model(config, cfg, attn, d.device)
@@ -958,7 +960,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     ready_s = time.perf_counter() - t0
     if counted:  # the weights are in; what is left of the count is waited for
         max_blocks, packing = count_blocks(counting, cfg, d)
-        total_steps = math.ceil(cfg.epochs * max_blocks / cfg.gradient_accumulation_steps)
+        total_steps = math.ceil(cfg.epochs // passes * max_blocks / cfg.gradient_accumulation_steps)
     else:
         total_steps, packing = cfg.max_steps or meta["total_steps"], None
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
@@ -1070,7 +1072,7 @@ def check_settings(cfg: Config) -> None:  # each value in its range (CHOICES, LO
         raise UserError(f"bad configuration: set datasets or {', '.join(single)}, not both")
     if cfg.eval_split and cfg.eval_fraction:
         raise UserError("bad configuration: set eval_split or eval_fraction, not both")
-    if cfg.datasets and cfg.eval_split and not Path(cfg.eval_split).suffix:
+    if cfg.datasets and cfg.eval_split and not data_file(cfg.eval_split):
         raise UserError("bad configuration: with datasets, eval_split must be a local file; or set eval_fraction")
     if cfg.eval_split and data_sources(cfg, "eval")[0]["label"] in [s["label"] for s in data_sources(cfg, "train")]:
         fix = "give a held-out file or split, or set eval_fraction to hold out a share of the records"
@@ -1260,7 +1262,7 @@ def fla_refuses_hopper_backward() -> bool:  # fla's first-backward guard: Hopper
 def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable, empty or of no known form stops the run
     for source in data_sources(cfg, part):
         name, where = source["name"], source["label"]
-        if Path(name).suffix and not Path(name).is_file():
+        if data_file(name) and not Path(name).is_file():
             raise UserError(f"data file {name} does not exist")
         try:  # datasets: ValueError for a split or configuration it lacks, OSError for what it cannot reach
             first = [decoded(record) for _, record in itertools.islice(source_records(source), 64)]
@@ -1461,10 +1463,11 @@ def walk_tensors(value, fn, key: tuple = ()):  # a nested state's copy, each ten
     return fn(key, value) if isinstance(value, torch.Tensor) else value
 
 
-def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+def host_buffer(like: torch.Tensor) -> torch.Tensor:  # like's shape and dtype on the host; pinned for a GPU's copies
     buffer = torch.empty(like.shape, dtype=like.dtype)
-    if pinned and buffer.nbytes:  # in place: PyTorch's pinned allocator rounds up to 2^n
-        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+    if like.is_cuda and buffer.nbytes:  # in place: PyTorch's pinned allocator rounds up to 2^n
+        with torch.cuda.device(like.device):  # in like's GPU's context: a new thread's (prepare's) is GPU 0's
+            torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
         weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
     return buffer
 
@@ -1539,27 +1542,25 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
 
     def buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         if (buffer := self.buffers.get(key)) is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            self.buffers[key] = buffer = host_buffer(like, self.job.d.device.type == "cuda")
+            self.buffers[key] = buffer = host_buffer(like)
         return buffer
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:  # host copies, DTensors over a CPU mesh (docs/CHECKPOINTS.md: why not DCP's)
-        if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them
+        if self.preparing:  # the first save, if it comes before the buffers are ready, waits for them (later: at once)
             self.preparing.join()
-            self.preparing = None
-        pinned = self.job.d.device.type == "cuda"
         self.mesh = getattr(self, "mesh", None) or dist.DeviceMesh.from_group(self.group, "cpu")
 
         def host(key, value):
             local = value.to_local() if isinstance(value, DTensor) else value
-            buffer = self.buffer(key, local).copy_(local, non_blocking=pinned)
+            buffer = self.buffer(key, local).copy_(local, non_blocking=local.is_cuda)  # into pinned memory
             if not isinstance(value, DTensor):
                 return buffer
             shape, stride = value.shape, value.stride()
             return DTensor.from_local(buffer, self.mesh, value.placements, run_check=False, shape=shape, stride=stride)
 
         staged = walk_tensors(state, host)
-        if pinned:  # the non_blocking copies are done before stage() returns
+        if self.job.d.device.type == "cuda":  # the non_blocking copies are done before stage() returns
             torch.cuda.synchronize()
         return staged
 
@@ -1704,7 +1705,7 @@ class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each f
     @torch.no_grad()
     def to_host(self) -> None:  # copied into the same buffers every step, beside the forward; their memory freed
         moments, self.on_host, pinned = [] if self.on_host else self.moments(), True, self.stream is not None
-        self.buffers = self.buffers or [host_buffer(m, pinned) for m in moments]
+        self.buffers = self.buffers or [host_buffer(m) for m in moments]
         if pinned:  # after the last optimizer step
             self.stream.wait_stream(torch.cuda.current_stream())
         for moment, buffer in zip(moments, self.buffers):
@@ -1812,8 +1813,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
         r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
         r |= {"memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib()}
-        r |= {"data_wait_s": float(stalls[0])}  # the window's time waiting for blocks, on the rank that waited longest
-        r |= {"alloc_retries": int(stalls[1])}  # since the start: CUDA caching-allocator retries, the most on a rank
+        r |= {"data_wait_s": float(stalls[0]), "alloc_retries": int(stalls[1])}  # the most on a rank (retries: all run)
         r |= {"eta_s": (job.total_steps - step) * seconds / c["steps"], "skipped_records": int(skips[0])}
         r |= {"bad_steps": job.progress.bad_steps, "elapsed_s": now - self.start, "time": time.time()}
         mfu, u, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device, int(r["eta_s"])

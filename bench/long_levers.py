@@ -94,7 +94,7 @@ class SavedOnHost:
         slot, cuda = (layer, len(seen)), tensor.device.type == "cuda"
         host = self.buffers.get(slot)
         if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = self.buffers[slot] = train.host_buffer(tensor, pinned=cuda)  # pinned in place, not rounded up
+            host = self.buffers[slot] = train.host_buffer(tensor)  # pinned in place (on a GPU), not rounded up
         done = None
         if cuda:
             self.stream = self.stream or torch.cuda.Stream(tensor.device)

@@ -1,13 +1,16 @@
 """Sharded loading, the Hugging Face export, resume after a SIGKILL or SIGTERM, on 2 CPU ranks under torchrun; the
 checkpoint's contents and policy in one process. Restarts inside the job: test_restarts.py."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import types
 from functools import partial
 
 import pytest
@@ -408,3 +411,34 @@ def test_the_export_of_a_base_model_trained_with_a_chat_tokenizer_stops_at_the_e
     model = AutoModelForCausalLM.from_pretrained(out)
     new = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1] :].tolist()
     assert new[-1] == end_of_turn and len(new) < 20 and tok.decode(new[:-1]) == "ok", tok.decode(new)
+
+
+def test_staging_buffers_are_pinned_in_their_tensors_gpu_context_also_from_a_thread(monkeypatch):
+    """host_buffer pins in place with cudaHostRegister, which acts in the calling thread's current GPU. The staging
+    thread's (Checkpointer.prepare) is GPU 0 unless set: rank 3 would open a context on GPU 0 (memory there) and pin
+    its buffers for GPU 0. CUDA is faked here: which GPU is current when each buffer is registered."""
+    current, calls = [0], []
+
+    @contextlib.contextmanager
+    def device(index):
+        before, current[0] = current[0], torch.device(index).index
+        yield
+        current[0] = before
+
+    class Cudart:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append((current[0], size))
+
+        def cudaHostUnregister(self, pointer):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    like = types.SimpleNamespace(shape=(4, 2), dtype=torch.float32, is_cuda=True, device=torch.device("cuda", 3))
+    buffers = []
+    thread = threading.Thread(target=lambda: buffers.append(train.host_buffer(like)))
+    thread.start()
+    thread.join()
+    assert calls == [(3, 32)] and buffers[0].shape == (4, 2) and current == [0]
+    cpu = train.host_buffer(torch.zeros(3))  # a host tensor's copy needs no pinning
+    assert calls == [(3, 32)] and cpu.shape == (3,)

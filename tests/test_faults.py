@@ -25,6 +25,8 @@ MALFORMED = [  # (record, the reason it is skipped, or None when it is trained)
     ({"text": "A record of plain text: trained whole."}, None),
     ({"messages": "not a list"}, "messages not a non-empty list"),
     ({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}, "unknown role"),
+    ({"messages": [{"from": ["gpt"], "value": "x"}]}, "unknown role"),  # ShareGPT's, a speaker not a string
+    ({"messages": GOOD, "tools": ""}, None),  # a string column's "no tools": trained
     (
         {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "hi"}]},
         "empty or non-string content",
@@ -100,8 +102,12 @@ def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path
     data = write_jsonl(
         tmp_path / "bad.jsonl",
         [{"messages": GOOD}] + [r for r, _ in MALFORMED],
-        raw_lines=[b"{not json\n", b'{"messages": "\xff\xfe"}\n'],
-    )
+        raw_lines=[
+            b"{not json\n",
+            b'{"messages": "\xff\xfe"}\n',
+            b"\xef\xbb\xbf" + json.dumps({"messages": GOOD}).encode(),
+        ],
+    )  # the last: a byte-order mark before a record (an editor's UTF-8 file), trained
     cfg = train.Config(dataset_name=str(data), max_seq_len=4096)
     blocks = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1))
     expected = {}
@@ -111,7 +117,7 @@ def test_malformed_records_are_skipped_and_counted_by_reason(tokenizer, tmp_path
     expected["unreadable line"] = 2
     counts = blocks[-1]["position"].counts_at_end
     assert train.skip_reasons(counts) == expected
-    assert counts["conversations"] == 1 + sum(reason is None for _, reason in MALFORMED)
+    assert counts["conversations"] == 2 + sum(reason is None for _, reason in MALFORMED)
     text = tokenizer.decode(blocks[0]["input_ids"][0][blocks[0]["labels"][0] != -100])
     assert "<tool_call>" in text and "get_weather" in text  # the tool call is part of the trained turn
 

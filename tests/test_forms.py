@@ -270,3 +270,41 @@ def test_a_parquet_file_of_mixed_forms_reads_each_record_by_its_non_null_keys(to
     cfg = train.Config(dataset_name=str(tmp_path / "mixed.parquet"), max_seq_len=256)
     counts = list(train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=1))[-1]["position"].counts_at_end
     assert counts["conversations"] == 3 and train.skip_reasons(counts) == {}
+
+
+def test_a_mixtures_step_count_counts_each_epoch_which_draws_its_mix_anew(tmp_path, tiny_model_dir, tokenizer):
+    """Several sources: each epoch draws its mix anew, so the second packs into other blocks than the first (here 31
+    against 25). The counting pass packs every epoch: the run plans and trains each block once, its schedule ends
+    where its data does. (Counting epoch 1 only planned 2 x 25 steps and left 6 blocks untrained.)"""
+    lines = SAMPLE.read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:40]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[100:120]) + "\n")
+    sources = [{"name": str(tmp_path / "a.jsonl")}, {"name": str(tmp_path / "b.jsonl")}]
+    settings = dict(datasets=sources, max_seq_len=2048, pack_buffer_blocks=4, epochs=2, seed=1, save_every=-1)
+    cfg = train.Config(**{**settings, "datasets": tuple(sources)})
+    epochs = Counter(b["position"].epoch for b in train.PackedBlocks(cfg, tokenizer, "train", 0, 1, epochs=2))
+    blocks = epochs[0] + epochs[1]  # each epoch's blocks (its stream's end, a blockless item, is epoch 2's)
+    assert epochs[0] != epochs[1], epochs
+    job = write_tiny_job(
+        tmp_path / "job.yaml", tiny_model_dir, **settings, export=False, output_dir=str(tmp_path / "o")
+    )
+    result = train.train(str(job))
+    records = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    trained = next(r["data_seen"]["blocks"] for r in records if "data_seen" in r)
+    assert result["steps"] == trained == blocks and records[-2]["total_steps"] == blocks, (result, records[-2])
+
+
+def test_a_hub_dataset_whose_name_has_a_dot_is_read_from_the_hub_not_as_a_file():
+    """Only .jsonl, .json and .parquet names are local files: teknium/OpenHermes-2.5 is a hub dataset's."""
+    cfg = train.Config(dataset_name="teknium/OpenHermes-2.5", dataset_split="train", dataset_revision="")
+    assert train.data_sources(cfg, "train")[0]["label"] == "teknium/OpenHermes-2.5 [train]"
+    held_out = train.Config(dataset_name="org/chats-v1.1", dataset_revision="", eval_split="test.v2")
+    assert train.data_sources(held_out, "eval")[0] | {"label": ""} == {
+        "name": "org/chats-v1.1",
+        "split": "test.v2",
+        "revision": "",
+        "weight": 1,
+        "label": "",
+    }
+    with pytest.raises(train.UserError, match="with datasets, eval_split must be a local file"):
+        train.Config(datasets=({"name": "a.jsonl"},), eval_split="test.v2")
