@@ -1813,7 +1813,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
         r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
         r |= {"memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib()}
-        r |= {"data_wait_s": float(stalls[0]), "alloc_retries": int(stalls[1])}  # the most on a rank (retries: all run)
+        r |= {"data_wait_s": float(stalls[0]), "alloc_retries": int(stalls[1])}  # most on a rank; retries since start
         r |= {"eta_s": (job.total_steps - step) * seconds / c["steps"], "skipped_records": int(skips[0])}
         r |= {"bad_steps": job.progress.bad_steps, "elapsed_s": now - self.start, "time": time.time()}
         mfu, u, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device, int(r["eta_s"])
