@@ -136,8 +136,10 @@ class Config:  # every setting of a run, with the default job's values; checked 
     seed: int = setting(0, "data order and initialisation")
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, typed(f, getattr(self, f.name), "Config"))  # frozen: the only writes
+        for f in dataclasses.fields(self):  # a default revision pins the default repo: another repo alone, its latest
+            value, repo = typed(f, getattr(self, f.name), "Config"), f.name.replace("_revision", "_name")
+            pins_another = repo != f.name and value == f.default and getattr(self, repo) != getattr(Config, repo)
+            object.__setattr__(self, f.name, "" if pins_another else value)  # frozen: the only writes
         check_settings(self)
 
 
@@ -319,8 +321,7 @@ def parsed_arguments(call):  # its arguments as a mapping, without None values (
     function = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
-    arguments = function.get("arguments")
-    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    arguments = json.loads(given) if isinstance(given := function.get("arguments"), str) else given
     arguments = {k: v for k, v in arguments.items() if v is not None} if isinstance(arguments, dict) else arguments
     function = {**function, "arguments": arguments}
     return {**call, "function": function} if "function" in call else function
@@ -468,8 +469,9 @@ def skip_reasons(counts: dict) -> dict:
 
 def by_source(counts: dict, cfg: Config) -> dict:  # {source: {what: count}} when there are several sources
     sources, out = data_sources(cfg, "train"), {}
-    for key, n in sorted((k, v) for k, v in counts.items() if isinstance(k, tuple) and len(sources) > 1):
-        out.setdefault(sources[key[0]]["label"], {})[key[1]] = n
+    for (s, what), n in sorted((k, v) for k, v in counts.items() if isinstance(k, tuple) and len(sources) > 1):
+        rev = sources[s]["revision"]  # a split at two revisions: two sources
+        out.setdefault(sources[s]["label"] + (f" @{rev}" if rev else ""), {})[what] = n
     return out
 
 
@@ -522,7 +524,7 @@ def filler_block(pad_id: int) -> dict:  # what a rank whose data ran out feeds F
 
 
 def pad_token_id(tokenizer) -> int:  # padding carries no loss, so any id will do; Llama's has none: end-of-sequence
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # or neither
 
 
 @dataclasses.dataclass
@@ -938,7 +940,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     print0(d.rank, f"configuration:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
     attn, config, tokenizer = on_every_rank(partial(startup_checks, cfg, d), d)
     resume_from = resume_point(cfg, d)  # the newest intact checkpoint in output_dir, or None
-    meta = checkpoint_meta(resume_from) if resume_from else None
+    meta = json.loads((resume_from / "complete.json").read_text()) if resume_from else None  # its step, settings
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
@@ -989,15 +991,15 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
     if not isinstance(config, Config):  # a YAML file's path, or a dict (None: the defaults)
         source = yaml_source(config, "train()") if isinstance(config, (str, Path)) else ("train()", config or {})
         config = load_config(source)
-    d = setup_distributed(config.output_dir)
+    d, lock = setup_distributed(config.output_dir), None
     try:
-        on_every_rank(partial(stopped_by_a_user_error, config, d), d)  # a restart after one stops at once
-        with RunLock(on_every_rank(partial(check_output_dir, config, d), d), d):
+        with (lock := RunLock(on_every_rank(partial(check_output_dir, config, d), d), d)):
+            on_every_rank(partial(stopped_by_a_user_error, config, d), d)  # a restart after one stops at once
             return run(config, d, step_hook)
     except Exception as e:  # under torchrun, a fault (or a bug) also says what comes next
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ and isinstance(e, UserError):
-            stopped_by_a_user_error(config, d, e)
-        elif "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, Interrupted):
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and isinstance(e, UserError) and lock:  # not when a live
+            stopped_by_a_user_error(config, d, e)  # run's lock refused this one: that output_dir is the live run's
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, (Interrupted, UserError)):
             print(after_a_fault(e, config, d), file=sys.stderr, flush=True)
         raise
     finally:
@@ -1068,7 +1070,7 @@ def check_settings(cfg: Config) -> None:  # each value in its range (CHOICES, LO
             need = "{name: str}, and if wanted split, revision (str), weight (> 0, finite)"
             raise UserError(f"bad configuration: each of datasets must be {need}, got {source!r}")
     defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name.startswith("dataset_")}
-    if cfg.datasets and (single := [k for k, default in defaults.items() if getattr(cfg, k) != default]):
+    if cfg.datasets and (single := [k for k, default in defaults.items() if getattr(cfg, k) not in (default, "")]):
         raise UserError(f"bad configuration: set datasets or {', '.join(single)}, not both")
     if cfg.eval_split and cfg.eval_fraction:
         raise UserError("bad configuration: set eval_split or eval_fraction, not both")
@@ -1392,17 +1394,13 @@ def newest_checkpoint(cfg: Config) -> str:
     return str((complete_checkpoints(cfg) or ["none (save_every: -1)" if cfg.save_every < 0 else "none"])[-1])
 
 
-def checkpoint_meta(path: Path) -> dict:
-    return json.loads((path / "complete.json").read_text())
-
-
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()  # read whole: only files under 64 MiB are hashed (finish)
 
 
 def checkpoint_problem(path: Path) -> str | None:  # what is wrong with it by complete.json's sizes and hashes, or None
     try:
-        meta = checkpoint_meta(path)
+        meta = json.loads((path / "complete.json").read_text())
         if name := next((n for n, size in meta["files"].items() if (path / n).stat().st_size != size), None):
             return f"{name} has {(path / name).stat().st_size} bytes, {meta['files'][name]} were written"
         if name := next((n for n, digest in meta["sha256"].items() if sha256(path / n) != digest), None):
@@ -1451,7 +1449,8 @@ def resume_weights(path: Path, meta: dict, model, optimizer, scheduler, d: Dist)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    scheduler.load_state_dict(meta["scheduler"])
+    scheduler.load_state_dict(meta["scheduler"] | {"last_epoch": meta["step"] - 1})  # then stepped to the step:
+    scheduler.step()  # the lr follows this run's total_steps from its first step on (the saved lr, the saved run's)
     print0(d.rank, f"resumed from {path} ({step}) in {time.perf_counter() - t0:.1f}s")
 
 
@@ -1802,12 +1801,12 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         data = job.progress.stream_counts()
         skipped = sum(skip_reasons(data).values())  # this rank's; the totals are over all ranks
         skips = all_reduced([skipped, skipped + data["conversations"]], self.d)
-        dist.all_reduce(self.loss_sum)
+        loss = all_reduced(self.loss_sum, self.d).item() / (self.window["loss_tokens"] or math.nan)  # all skipped: nan
         retries = alloc_retries() if self.d.device.type == "cuda" else 0  # one rank's stall (data, allocator) is all's
         stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
         now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
-        r = {"step": step, "total_steps": job.total_steps, "loss": self.loss_sum.item() / max(c["loss_tokens"], 1)}
+        r = {"step": step, "total_steps": job.total_steps, "loss": loss}
         r |= {"lr": self.lr, "grad_norm": self.grad_norm.item(), "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
         r |= {"loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks}
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
@@ -1887,7 +1886,7 @@ class HangWatch(Operation, contextlib.AbstractContextManager):  # a waiting rank
     def after_step(self, job: Job, stats: StepStats) -> None:
         started, self.last, self.said = self.last is not None, time.monotonic(), False
         if not started:  # from the first step's end a collective waits collective_timeout_s
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=min(job.cfg.collective_timeout_s, 1e7)))  # inf
             threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
 
     def at_end(self, job: Job, why: str) -> None:

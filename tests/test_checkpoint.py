@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+import yaml
 from conftest import (
     ROOT,
     SAMPLE,
@@ -266,6 +267,10 @@ def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_pat
     output = run_ok([*command, "--max_steps", "5", "--num_workers", "0"])
     assert f"resumed from {out}/checkpoints/step_00000003 (step 3 of 3)" in output
     assert sorted(losses_by_step(out)) == [1, 2, 3, 4, 5] and "step 5/5" in output
+    cfg = train.load_config(("saved", yaml.safe_load((out / "config.yaml").read_text())))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    five = {step: cfg.learning_rate * train.lr_factor(step - 1, cfg, 5) for step in range(1, 6)}
+    assert lrs == pytest.approx(five) and five[4] > 5 * cfg.learning_rate * train.lr_factor(3, cfg, 3)  # step 4 too
 
 
 def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world_of_one, tmp_path):
@@ -306,7 +311,7 @@ def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world
     fresh = train.build_model(config, cfg, "sdpa", world_of_one.device)
     fresh_optimizer, fresh_scheduler = train.make_optimizer(fresh, cfg, total_steps=10)
     path = train.complete_checkpoints(cfg)[-1]
-    meta = train.checkpoint_meta(path)
+    meta = json.loads((path / "complete.json").read_text())
     resumed = train.resume_progress(path, meta, cfg, world_of_one)
     train.resume_weights(path, meta, fresh, fresh_optimizer, fresh_scheduler, world_of_one)
     assert resumed == progress  # the data positions survive the round trip

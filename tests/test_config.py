@@ -41,6 +41,19 @@ def test_flag_values_are_typed(monkeypatch):
     assert cfg.learning_rate == 2e-5 and cfg.compile is True and cfg.model_revision == "1.0"  # str stays str
 
 
+def test_the_default_revisions_pin_only_the_default_repos(tmp_path, monkeypatch):
+    """The default revisions are commits of Qwen/Qwen3.8-27B and UltraChat: another model or dataset named without a
+    revision is read at its latest, not asked for at a commit it does not have; a revision given is kept."""
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", "model_name: Qwen/Qwen3-8B\n"))
+    default, other = train.Config(), train.parse_args(["--dataset_name", "org/chats"])[0]
+    assert len(default.model_revision) == len(default.dataset_revision) == 40  # the default job stays pinned
+    assert (other.model_name, other.model_revision, other.dataset_revision) == ("Qwen/Qwen3-8B", "", "")
+    pinned = train.Config(model_name="Qwen/Qwen3-8B", model_revision="abc", dataset_name="org/chats")
+    assert (pinned.model_revision, pinned.dataset_revision) == ("abc", "")
+    mixed = train.Config(datasets=({"name": "org/chats"},))  # the dataset_* fields unset: no conflict
+    assert mixed.dataset_revision == default.dataset_revision and mixed.model_revision == default.model_revision
+
+
 def test_yaml_exponent_without_dot_is_a_float(tmp_path, monkeypatch):
     monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", "learning_rate: 1e-5\n"))
     assert train.parse_args([])[0].learning_rate == 1e-5

@@ -8,10 +8,12 @@ import re
 import shutil
 import sys
 import time
+from datetime import timedelta
 
 import httpx2
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import SAMPLE, TORCHRUN, WORKERS, run, worker_env, write_tiny_job
 from huggingface_hub.errors import GatedRepoError
 from transformers import AutoModelForCausalLM
@@ -239,7 +241,8 @@ def test_one_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(tiny_
     assert "step 2: non-finite loss or gradient norm, optimizer step skipped (1 in a row, 1 in all)" in output
     records = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    assert len(steps) == 8 and all(math.isfinite(r["loss"]) for r in steps) and steps[-1]["bad_steps"] == 1
+    assert len(steps) == 8 and steps[-1]["bad_steps"] == 1
+    assert [r["step"] for r in steps if not math.isfinite(r["loss"])] == [2]  # its window has no loss: nan, not 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out/model")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -297,3 +300,15 @@ def test_restarts_over_nodes_sharing_torchruns_store_are_refused_before_they_han
         train.attempt_store(world_size=16)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a new store each attempt, hosted by rank 0
     assert train.attempt_store(world_size=16) is None
+
+
+@pytest.mark.parametrize("timeout_s", [4.0, math.inf])
+def test_the_collective_timeout_holds_from_the_first_steps_end_and_inf_means_none(world_of_one, timeout_s):
+    """collective_timeout_s replaces the startup's timeout after step 1, and the startup's is back at the end; inf
+    (no timeout) is a timeout of 1e7 s, not an OverflowError after the first step that every restart repeats."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    job = train.Job(train.Config(collective_timeout_s=timeout_s), world_of_one, *[None] * 4, train.Progress(), {})
+    with train.HangWatch(job) as watch:
+        watch.after_step(job, train.StepStats(max_blocks=1, blocks=1, loss_tokens=1, tokens=1, sum_sq_len=1))
+        assert backend.options._timeout == timedelta(seconds=min(timeout_s, 1e7))
+    assert backend.options._timeout == train.STARTUP_TIMEOUT

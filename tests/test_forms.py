@@ -195,6 +195,15 @@ def test_counts_are_kept_by_source_and_add_up_to_the_totals(tokenizer, tmp_path)
     assert train.by_source(counts, train.Config(dataset_name=str(good))) == {}  # one source: the totals say it
 
 
+def test_one_split_at_two_revisions_is_counted_as_two_sources():
+    cfg = train.Config(datasets=({"name": "org/chats", "revision": "v1"}, {"name": "org/chats", "revision": "v2"}))
+    counts = Counter({(0, "conversations"): 3, (1, "conversations"): 4, "conversations": 7})
+    assert train.by_source(counts, cfg) == {
+        "org/chats [train] @v1": {"conversations": 3},
+        "org/chats [train] @v2": {"conversations": 4},
+    }
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

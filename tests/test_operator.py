@@ -333,7 +333,7 @@ def test_a_checkpoint_without_its_file_records_is_damaged_and_all_damaged_ones_s
     out = tmp_path / "out"
     shutil.copytree(finished, out)
     old = out / "checkpoints/step_00000004"
-    meta = train.checkpoint_meta(old)
+    meta = json.loads((old / "complete.json").read_text())
     (old / "complete.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("files", "sha256")}))
     assert train.checkpoint_problem(old) == "KeyError: 'files'"  # nothing to check it against: never trusted
     (out / "checkpoints/step_00000002/complete.json").write_text("")
@@ -347,7 +347,7 @@ def test_a_checkpoint_without_its_file_records_is_damaged_and_all_damaged_ones_s
 def test_complete_json_lists_every_file_and_hashes_the_small_ones(two_checkpoints):
     _, out = two_checkpoints
     step = out / "checkpoints/step_00000004"
-    meta = train.checkpoint_meta(step)
+    meta = json.loads((step / "complete.json").read_text())
     assert set(meta["files"]) == {p.name for p in step.iterdir()} - {"complete.json"}
     assert {".metadata", "rank_00000.pt"} <= set(meta["sha256"])
 
@@ -358,11 +358,17 @@ def lock_file(out, host, pid, age_s=0.0):
     os.utime(out / "run.lock", (time.time() - age_s, time.time() - age_s))
 
 
-def test_a_second_run_on_one_output_dir_refuses_naming_the_holder(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("launcher", ["python", "torchrun's first attempt"])
+def test_a_second_run_on_one_output_dir_refuses_naming_the_holder(tiny_model_dir, tmp_path, launcher):
+    """Under torchrun the refused run leaves the live run's user_error.json as it was: neither written (the live
+    run's restarts would stop on it) nor removed (a new run's first attempt removes an old run's, under the lock)."""
     lock_file(tmp_path / "out", socket.gethostname(), os.getpid())  # held by this live process
-    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir)))
+    (tmp_path / "out/user_error.json").write_text(live := json.dumps([1, "the live run's"]))
+    env = worker_env(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="2") if launcher != "python" else None
+    rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir)), env)
     assert rc == 2 and f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()}" in err, err
     assert not (tmp_path / "out/metrics.jsonl").exists()
+    assert (tmp_path / "out/user_error.json").read_text() == live
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,13 @@ def test_make_block_worked_example():
     assert (blk["max_length"], blk["tokens"], blk["loss_tokens"], blk["sum_sq_len"]) == (3, 5, 3, 13)
 
 
+@pytest.mark.parametrize("pad, eos, expected", [(5, 7, 5), (None, 7, 7), (None, None, 0)])
+def test_padding_is_the_pad_token_else_end_of_sequence_else_id_0(pad, eos, expected):
+    tokenizer = type("Tokenizer", (), {"pad_token_id": pad, "eos_token_id": eos})()
+    assert train.pad_token_id(tokenizer) == expected
+    assert train.filler_block(train.pad_token_id(tokenizer))["input_ids"].eq(expected).all()
+
+
 def test_best_fit_decreasing_fills_at_least_95_percent_on_ultrachat_like_lengths():
     # UltraChat 200k train_sft under the Qwen3.5 tokenizer: mean ~1.4k tokens, long right tail.
     rng = random.Random(0)
