@@ -893,10 +893,11 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
         job.host_moments.to_device()
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in job.model.parameters() if p.grad is not None])
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    finite = math.isfinite(grad_norm.item())  # .item() is a sync point, once a step
-    if finite:  # clipped as clip_grad_norm_ clips, by fused AdamW as it reads each gradient: one pass over them fewer
-        optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # their divisor
-        optimizer.step()
+    # Clipped as clip_grad_norm_ clips, by fused AdamW as it reads each gradient (one pass over them fewer)
+    optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # their divisor
+    optimizer.found_inf = (~grad_norm.isfinite()).float()  # a non-finite norm skips the step on the GPU: no wait
+    optimizer.step()
+    if finite := math.isfinite(grad_norm.item()):  # .item() is a sync point, once a step
         progress.bad_in_a_row = 0
     else:
         progress.bad_steps, progress.bad_in_a_row = progress.bad_steps + 1, progress.bad_in_a_row + 1

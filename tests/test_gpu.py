@@ -498,3 +498,43 @@ def test_autotuned_kernels_are_compiled_by_threads_before_they_are_timed(tmp_pat
     )
     assert len(threads) > 1 and sum(threads.values()) > 10  # many configurations, on several threads
     assert inside == {"at once": 0, "one at a time": sum(threads.values())}, inside
+
+
+NON_FINITE_RUN = """
+import json, sys
+import train
+
+def nan_at_step_2(step, model, loss_sum, blocks):  # a NaN in one gradient, as an overflow would leave
+    if step == 2:
+        next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("nan")
+
+print("RESULT " + json.dumps(train.train(sys.argv[1], step_hook=nan_at_step_2)))
+"""
+
+
+def test_a_non_finite_step_is_skipped_by_fused_adamw_on_the_gpu(tmp_path, tokenizer):
+    """train_step dispatches AdamW before it reads the gradient norm: on CUDA (FSDP2's DTensors, fused AdamW's CUDA
+    kernel) a NaN gradient at step 2 must leave no NaN in the weights, the step counted as skipped, its window's loss
+    nan and the others finite (train.train on a tiny dense model, in a new process)."""
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    dense_config(vocab_size).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    settings = dict(model_name=str(tmp_path / "model"), init="random", max_steps=4, log_every=1, compile=False)
+    settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=2048, save_every=-1)
+    settings |= dict(attn_implementation="torch_varlen", output_dir=str(tmp_path / "o"))
+    (tmp_path / "job.yaml").write_text(json.dumps(settings))
+    (tmp_path / "run.py").write_text(NON_FINITE_RUN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 2: non-finite loss or gradient norm, optimizer step skipped (1 in a row, 1 in all)" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(steps) == [1, 2, 3, 4] and steps[4]["bad_steps"] == 1
+    assert [s for s, r in steps.items() if not math.isfinite(r["loss"])] == [2]
+    from safetensors.torch import load_file
+
+    weights = [t for f in sorted((tmp_path / "o" / "model").glob("*.safetensors")) for t in load_file(f).values()]
+    assert weights and all(torch.isfinite(t).all() for t in weights)
+    report("non_finite_step_skipped", steps=len(steps), tensors=len(weights))
