@@ -172,6 +172,41 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
 
 
+UNREACHABLE_HOSTNAME = 'import socket\nsocket.getfqdn = lambda name="": "0-unreachable.invalid"\n'
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_two_nodes_meet_at_addresses_they_reach_whatever_their_host_names(path, tiny_model_dir, tmp_path):
+    """Each workload's command on two nodes of this machine (NODE_RANK 0 and 1, one CPU rank each, the
+    node setup a dry run). torchrun's c10d rendezvous ranks the nodes by their addresses (the host name where none is
+    given) and its rank 0 hosts each attempt's store at its own: node 1's host name is made one that sorts first and
+    that no one can resolve, as a container's may be. The command gives each node an address node 0 reaches (the
+    one its traffic to MASTER_ADDR leaves from), so the job still trains."""
+    job, names = tmp_path / "job", tmp_path / "names"
+    job.mkdir(), names.mkdir()
+    shutil.copy(path, job / path.name)
+    shutil.copy(ROOT / "train.py", job / "train.py")
+    (names / "sitecustomize.py").write_text(UNREACHABLE_HOSTNAME)
+    env = {**worker_env(), "HF_HOME": str(tmp_path / "hf"), "NUM_NODES": "2", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TMPDIR": str(tmp_path)}
+    env |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # this venv's python and torchrun
+    env |= {"GPU_ARCH": "90", "CUDA_HOME": str(fake_cuda_home(tmp_path)), "KERNEL_CACHE": str(tmp_path / "kc")}
+    env |= {"WHEEL_CACHE": str(tmp_path / "wheels"), "KERNEL_CACHE_SAVE_S": "1"}  # workload.yaml's node setup
+    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run", "--"]
+    command += ["--config", str(tiny_override(tmp_path, tiny_model_dir))]
+    node_1_env = {**env, "NODE_RANK": "1", "PYTHONPATH": f"{names}{os.pathsep}{env['PYTHONPATH']}"}
+    node_1 = subprocess.Popen(command, cwd=tmp_path, env=node_1_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        node_0 = run_process(command, cwd=tmp_path, env={**env, "NODE_RANK": "0"}, timeout=240)
+        output_1 = node_1.communicate(timeout=60)[0].decode(errors="replace")
+    finally:
+        node_1.kill()
+    output = node_0.stdout + node_0.stderr + output_1
+    assert node_0.returncode == 0 and node_1.returncode == 0, output[-4000:]
+    assert "world_size 2" in output and "step 3/3" in output and (tmp_path / "out/model/config.json").exists()
+
+
 def test_the_kernel_cache_is_on_the_volume_and_left_to_triton_where_there_is_none(tmp_path, monkeypatch):
     from run_workload import command_env
 
