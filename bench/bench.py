@@ -667,6 +667,8 @@ def cmd_logsteps(args) -> None:
             tokens_and_seconds = (int(timed[1]), float(timed[2])) if timed else (args.seq_len, args.seq_len / rate)
             steps[int(m[1])] = (*tokens_and_seconds, mfu)
     chosen = [i for i in sorted(steps) if args.first <= i <= (args.last or max(steps)) and i not in args.skip]
+    if not chosen:  # the seed's log, say: its rate is its own `BENCH seed tok_s_gpu=...` line
+        sys.exit(f"{args.log}: no step line of train.py or bench/trl_peer.py among the steps chosen")
     tokens, seconds = sum(steps[i][0] for i in chosen), sum(steps[i][1] for i in chosen)
     mfu = sum(steps[i][2] * steps[i][1] for i in chosen) / seconds
     print(

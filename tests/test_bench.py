@@ -67,3 +67,7 @@ def test_logsteps_weights_each_step_by_its_seconds_from_both_recipes_lines(tmp_p
     # ours: 1 s and 0.25 s for two 1,000-token blocks; trl: 1,400 tokens in 1.5 s
     assert results[0] == "ours: steps 2-3 (2): 1,600 tok/s/GPU, MFU 44.0%", results[0]
     assert results[1] == "trl: steps 2-3 (2): 933 tok/s/GPU, MFU 23.3%", results[1]
+    (tmp_path / "seed").write_text("BENCH seed tok_s_gpu=14750 s_step=1.111 steps=62 seq_len=16384 world=1\n")
+    proc = subprocess.run([*command, "1000", "--first", "99"], capture_output=True, text=True)  # trl's: none chosen
+    seed = subprocess.run([*command[:3], str(tmp_path / "seed"), "--seq-len", "1000"], capture_output=True, text=True)
+    assert proc.returncode == seed.returncode == 1 and "no step line" in proc.stderr + seed.stderr, seed.stderr
