@@ -66,7 +66,7 @@ def mark_loss_spans(tokenizer, ids: list[int], labels: list[int]) -> str:
 
 def main() -> None:
     usage = "inspect_data.py N [--out FILE] [--config FILE] [--KEY VALUE ...]"
-    parser = argparse.ArgumentParser(usage=usage, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(usage=usage, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("n", type=int, help="blocks to show")
     parser.add_argument("--out", default="", metavar="FILE", help="the blocks' signals as JSON lines")
     try:
