@@ -103,7 +103,8 @@ MUTANTS = [
            "waiting = yield from self._pack(buffer, pad_id, shard, where, skip, carry=True)",
            "waiting = yield from self._pack(buffer, pad_id, shard, where, skip, carry=False)",
            ["tests/test_packing.py", "-k", "emptiest"]),
-    # Faults mid-run
+    # Faults mid-run. faults-shared-keys-on-restart survives with torch 2.13 on one node: its restart tests pass
+    # on the launcher's own store without train.py's per-attempt prefix (killed when it was written, 91bb910).
     Mutant("faults-shared-keys-on-restart", "faults",
            "    if env(\"TORCHELASTIC_USE_AGENT_STORE\") != \"True\":", "    if True:",
            ["tests/test_restarts.py", "-k", "restarts_inside and kill"]),
