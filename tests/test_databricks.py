@@ -119,13 +119,10 @@ def tiny_override(tmp_path, tiny_model_dir, **extra):
     )
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
-def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_model_dir, tmp_path):
-    """The design card's copy-paste use: the YAML and train.py in an empty folder, its command run as a node runs
-    it (tools/run_workload.py: its env_variables, its parameters file, CODE_SOURCE_PATH at that folder). The node
-    setup runs as a dry run (for an H100/H200: no compile, no install; tests/test_node_setup.py) and the job is
-    overridden to a tiny 2-rank CPU run."""
+def node_command(path: Path, tiny_model_dir, tmp_path, **node) -> tuple[list, dict]:
+    """The workload at path and train.py alone in an empty folder, and the command and environment that run it as a
+    node runs it (tools/run_workload.py): the node setup as a dry run for an H100/H200 (no compile, no install), the
+    job overridden to a tiny CPU run; node: the platform's variables (LOCAL_WORLD_SIZE, NUM_NODES, ...)."""
     job = tmp_path / "job"
     job.mkdir()
     shutil.copy(path, job / path.name)
@@ -141,11 +138,23 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         "KERNEL_CACHE": str(tmp_path / "kernel-cache"),
         "KERNEL_CACHE_SAVE_S": "1",
         "TMPDIR": str(tmp_path),
-        "LOCAL_WORLD_SIZE": "2",
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # this venv's python and torchrun
+        **node,
     }
+    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
+    return [*command, "--", "--config", str(tiny_override(tmp_path, tiny_model_dir))], env
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_model_dir, tmp_path):
+    """The design card's copy-paste use: the YAML and train.py in an empty folder, its command run as a node runs
+    it (tools/run_workload.py: its env_variables, its parameters file, CODE_SOURCE_PATH at that folder). The node
+    setup runs as a dry run (for an H100/H200: no compile, no install; tests/test_node_setup.py) and the job is
+    overridden to a tiny 2-rank CPU run."""
+    command, env = node_command(path, tiny_model_dir, tmp_path, LOCAL_WORLD_SIZE="2")
     (tmp_path / "kernel-cache").mkdir()  # the archives a run before left on the volume: one file of each cache
     (tmp_path / "from-before").write_text("a compiled kernel")
     for kind in ("triton", "inductor"):
@@ -153,8 +162,6 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
             archive.add(tmp_path / "from-before", arcname="./kernel/from-before")
         (tmp_path / f"{kind}-cache").mkdir()  # its cache on this node (TMPDIR's): a kernel compiled in this run
         (tmp_path / f"{kind}-cache/compiled-now").write_text("another kernel")
-    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run"]
-    command += ["--", "--config", str(tiny_override(tmp_path, tiny_model_dir))]
     proc = run_process(command, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "\ndry run: " in proc.stdout  # the node setup ran to its end
@@ -183,19 +190,11 @@ def test_two_nodes_meet_at_addresses_they_reach_whatever_their_host_names(path, 
     given) and its rank 0 hosts each attempt's store at its own: node 1's host name is made one that sorts first and
     that no one can resolve, as a container's may be. The command gives each node an address node 0 reaches (the
     one its traffic to MASTER_ADDR leaves from), so the job still trains."""
-    job, names = tmp_path / "job", tmp_path / "names"
-    job.mkdir(), names.mkdir()
-    shutil.copy(path, job / path.name)
-    shutil.copy(ROOT / "train.py", job / "train.py")
+    command, env = node_command(path, tiny_model_dir, tmp_path, LOCAL_WORLD_SIZE="1", NUM_NODES="2")
+    env["MASTER_ADDR"] = "127.0.0.1"
+    (names := tmp_path / "names").mkdir()
     (names / "sitecustomize.py").write_text(UNREACHABLE_HOSTNAME)
-    env = {**worker_env(), "HF_HOME": str(tmp_path / "hf"), "NUM_NODES": "2", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TMPDIR": str(tmp_path)}
-    env |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # this venv's python and torchrun
-    env |= {"GPU_ARCH": "90", "CUDA_HOME": str(fake_cuda_home(tmp_path)), "KERNEL_CACHE": str(tmp_path / "kc")}
-    env |= {"WHEEL_CACHE": str(tmp_path / "wheels"), "KERNEL_CACHE_SAVE_S": "1"}  # workload.yaml's node setup
-    command = [sys.executable, str(ROOT / "tools/run_workload.py"), str(job / path.name), "--dry-run", "--"]
-    command += ["--config", str(tiny_override(tmp_path, tiny_model_dir))]
-    node_1_env = {**env, "NODE_RANK": "1", "PYTHONPATH": f"{names}{os.pathsep}{env['PYTHONPATH']}"}
+    node_1_env = {**env, "NODE_RANK": "1", "PYTHONPATH": os.pathsep.join([str(names), env.get("PYTHONPATH", "")])}
     node_1 = subprocess.Popen(command, cwd=tmp_path, env=node_1_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         node_0 = run_process(command, cwd=tmp_path, env={**env, "NODE_RANK": "0"}, timeout=240)
