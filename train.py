@@ -146,7 +146,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
-Dist = namedtuple("Dist", "rank world_size device owns_group")  # owns_group: created here, so destroyed here
+Dist = namedtuple("Dist", "rank world_size device owns_group host_group", defaults=[None])  # owns_group: ours to end
 STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop before each step
 
 
@@ -168,10 +168,11 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's 
             with contextlib.suppress(OSError):  # check_output_dir says it in one line
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
+    host_group = dist.new_group(backend="gloo")  # the host's numbers (counts, flags, the log's): no wait for the GPU
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: each thread's stack (data workers too)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         threading.Thread(target=exit_with_launcher, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
-    return Dist(rank, world_size, device, owns_group)
+    return Dist(rank, world_size, device, owns_group, host_group)
 
 
 def attempt_store(world_size: int):  # torchrun's store (it outlives a restart) under this attempt's keys
@@ -840,21 +841,22 @@ class StepStats:  # a step's counts over all ranks, and its results
     tokens: int  # not padding
     sum_sq_len: int  # squared segment lengths, for the attention FLOPs
     data_wait_s: float = 0.0  # this rank's wait for its blocks
-    loss_sum: torch.Tensor | None = None  # None: not finite, so the optimizer step was skipped
-    grad_norm: torch.Tensor | None = None
+    loss_sum: float | None = None  # this rank's; None: not finite, so the optimizer step was skipped
+    grad_norm: float | None = None
     lr: float = 0.0
 
 
 def all_reduced(values, d: Dist, op=dist.ReduceOp.SUM, dtype=None) -> torch.Tensor:
-    """values as a tensor on this rank's device (a tensor already there: itself), reduced in place over all ranks."""
-    tensor = torch.as_tensor(values, dtype=dtype, device=d.device)
-    dist.all_reduce(tensor, op=op)
+    """values reduced in place over all ranks: a GPU's tensor on the GPU; the host's numbers (counts, flags, seconds)
+    on the CPU, over d.host_group: the host does not wait for the GPU's queued work to reduce them."""
+    tensor = torch.as_tensor(values, dtype=dtype)  # a tensor stays where it is
+    dist.all_reduce(tensor, op=op, group=None if tensor.is_cuda else d.host_group)
     return tensor
 
 
 def global_counts(blocks: list[dict], d: Dist) -> StepStats:  # the loss normaliser, known before the first backward
     rows = [[len(blocks), 0, 0, 0]] + [[0, *(b[k] for k in ("loss_tokens", "tokens", "sum_sq_len"))] for b in blocks]
-    local = torch.tensor(rows, dtype=torch.float64, device=d.device).sum(0)
+    local = torch.tensor(rows, dtype=torch.float64).sum(0)
     max_blocks = all_reduced(local[:1].clone(), d, dist.ReduceOp.MAX)
     return StepStats(int(max_blocks), *(int(v) for v in all_reduced(local, d).tolist()))
 
@@ -896,8 +898,12 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     # Clipped as clip_grad_norm_ clips, by fused AdamW as it reads each gradient (one pass over them fewer)
     optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)  # their divisor
     optimizer.found_inf = (~grad_norm.isfinite()).float()  # a non-finite norm skips the step on the GPU: no wait
+    on_host = torch.stack([grad_norm.float(), loss_sum]).to("cpu", non_blocking=True)  # pinned, queued before AdamW:
+    copied = torch.cuda.current_stream().record_event().synchronize if d.device.type == "cuda" else lambda: None
     optimizer.step()
-    if finite := math.isfinite(grad_norm.item()):  # .item() is a sync point, once a step
+    copied()  # the step's one wait for the GPU, for the norm and the loss: the next step queues while AdamW runs
+    grad_norm, loss = on_host.tolist()
+    if finite := math.isfinite(grad_norm):
         progress.bad_in_a_row = 0
     else:
         progress.bad_steps, progress.bad_in_a_row = progress.bad_steps + 1, progress.bad_in_a_row + 1
@@ -906,7 +912,7 @@ def train_step(job: Job, blocks: list[dict], data_wait_s: float = 0.0) -> StepSt
     stats.lr = optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves on
     job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    progress.step, stats.loss_sum, stats.grad_norm = progress.step + 1, (loss_sum if finite else None), grad_norm
+    progress.step, stats.loss_sum, stats.grad_norm = progress.step + 1, (loss if finite else None), grad_norm
     return stats
 
 
@@ -1125,8 +1131,7 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
             load_config(("command line", {unknown[0][2:].partition("=")[0]: None}))
         raise UserError(f"unexpected argument {unknown[0]!r}; flags are --key value (python train.py --help)")
     params = os.environ.get("HYPERPARAMETERS_PATH")  # a Databricks workload's parameters: block
-    sources = [yaml_source(params, "HYPERPARAMETERS_PATH")] if params else []
-    sources += [yaml_source(args.config, "--config")] if args.config else []
+    sources = [yaml_source(p, name) for p, name in ((params, "HYPERPARAMETERS_PATH"), (args.config, "--config")) if p]
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if hasattr(args, f.name)}
     return load_config(*sources, ("command line", flags)), args
 
@@ -1264,7 +1269,7 @@ def fla_refuses_hopper_backward() -> bool:  # fla's first-backward guard: Hopper
 
 def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable, empty or of no known form stops the run
     for source in data_sources(cfg, part):
-        name, where = source["name"], source["label"]
+        name, where, reasons = source["name"], source["label"], []
         if data_file(name) and not Path(name).is_file():
             raise UserError(f"data file {name} does not exist")
         try:  # datasets: ValueError for a split or configuration it lacks, OSError for what it cannot reach
@@ -1273,7 +1278,6 @@ def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable,
             raise UserError(f"cannot read dataset {where}: " + str(e).strip().split("\n")[0]) from e
         if not any(record is not None for record in first):
             raise UserError(f"dataset {where} {'has no readable line: is it JSON lines?' if first else 'is empty'}")
-        reasons = []
         for record in first:
             try:
                 record_form(record, cfg)
@@ -1492,10 +1496,9 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
             self.finish()  # no rank's background write is still running
         self.prepare()
         due = job.cfg.save_every > 0 and job.progress.step % job.cfg.save_every == 0
-        if not due and job.cfg.save_every_minutes:  # after the last save, by rank 0's clock
-            late = torch.tensor(time.monotonic() - self.last >= 60 * job.cfg.save_every_minutes, device=job.d.device)
-            dist.broadcast(late, src=0)
-            due = bool(late)
+        if not due and job.cfg.save_every_minutes:  # after the last save, by any rank's clock
+            late = float(time.monotonic() - self.last >= 60 * job.cfg.save_every_minutes)
+            due = bool(all_reduced(late, job.d, dist.ReduceOp.MAX))
         if due and job.progress.step < job.total_steps:
             self.save()
 
@@ -1772,7 +1775,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.start = self.since = time.perf_counter()
-        self.loss_sum, self.window, self.grad_norm = torch.zeros((), device=d.device), Counter(), None
+        self.loss_sum, self.window, self.grad_norm = 0.0, Counter(), None
         if packing:
             self.write({"step": 0, "packing": packing})
 
@@ -1801,14 +1804,14 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             return
         data = job.progress.stream_counts()
         skipped = sum(skip_reasons(data).values())  # this rank's; the totals are over all ranks
-        skips = all_reduced([skipped, skipped + data["conversations"]], self.d)
-        loss = all_reduced(self.loss_sum, self.d).item() / (self.window["loss_tokens"] or math.nan)  # all skipped: nan
+        sums = all_reduced([self.loss_sum, skipped, skipped + data["conversations"]], self.d, dtype=torch.float64)
+        loss, skips = sums[0].item() / (self.window["loss_tokens"] or math.nan), sums[1:]  # all skipped: loss nan
         retries = alloc_retries() if self.d.device.type == "cuda" else 0  # one rank's stall (data, allocator) is all's
         stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
-        now, c, step, ranks = time.perf_counter(), self.window, job.progress.step, self.d.world_size
+        now, c, step, ranks, u = time.perf_counter(), self.window, job.progress.step, self.d.world_size, self.device
         seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
         r = {"step": step, "total_steps": job.total_steps, "loss": loss}
-        r |= {"lr": self.lr, "grad_norm": self.grad_norm.item(), "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
+        r |= {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
         r |= {"loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks}
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
         r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
@@ -1816,15 +1819,13 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         r |= {"data_wait_s": float(stalls[0]), "alloc_retries": int(stalls[1])}  # most on a rank; retries since start
         r |= {"eta_s": (job.total_steps - step) * seconds / c["steps"], "skipped_records": int(skips[0])}
         r |= {"bad_steps": job.progress.bad_steps, "elapsed_s": now - self.start, "time": time.time()}
-        mfu, u, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", self.device, int(r["eta_s"])
+        mfu, eta = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", timedelta(seconds=int(r["eta_s"]))
         speed = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/{u} | {r['loss_tokens_per_s_per_gpu']:,.0f} loss-tok/s/{u}"
         line = f"step {step}/{job.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f}"
-        tail = f"mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {timedelta(seconds=eta)}"
-        print0(self.d.rank, f"{line} | {speed} | {tail}")
+        print0(self.d.rank, f"{line} | {speed} | mfu {mfu} | mem {r['memory_gib']:.1f} GiB | eta {eta}")
         self.write(r)
         check_skips(int(skips[0]), int(skips[1]), lambda: skip_reasons(gathered(data, self.d)), self.cfg)
-        self.since, self.window, self.last_loss = now, Counter(), r["loss"]
-        self.loss_sum.zero_()
+        self.since, self.window, self.last_loss, self.loss_sum = now, Counter(), r["loss"], 0.0
 
     def write(self, record: dict) -> None:
         if self.d.rank != 0:
@@ -1886,14 +1887,15 @@ class HangWatch(Operation, contextlib.AbstractContextManager):  # a waiting rank
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         started, self.last, self.said = self.last is not None, time.monotonic(), False
-        if not started:  # from the first step's end a collective waits collective_timeout_s
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=min(job.cfg.collective_timeout_s, 1e7)))  # inf
+        if not started:  # from the first step's end a collective waits collective_timeout_s (inf: 1e7 s)
+            for group in (None, job.d.host_group):  # the training's collectives and the host's numbers
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=min(job.cfg.collective_timeout_s, 1e7)), group)
             threading.Thread(target=self.watch, args=(dist.distributed_c10d._get_default_store(),), daemon=True).start()
 
     def at_end(self, job: Job, why: str) -> None:
         self.done.set()  # on leaving its with too: the final save, eval, export, a notebook's next run wait long again
-        if self.last is not None:
-            dist.distributed_c10d._set_pg_timeout(STARTUP_TIMEOUT)
+        for group in (None, self.job.d.host_group) if self.last is not None else ():
+            dist.distributed_c10d._set_pg_timeout(STARTUP_TIMEOUT, group)
 
     def __exit__(self, *exc) -> None:
         self.at_end(self.job, "left")
@@ -1979,11 +1981,10 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
                 os.utime(self.path)
 
     def __exit__(self, *exc) -> None:
-        if self.d.rank == 0:
-            self.released.set()
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(self.path.read_text()) == self.me:
-                    self.path.unlink()
+        self.released.set()  # only rank 0 has a refresh thread to stop
+        with contextlib.suppress(OSError, ValueError):
+            if self.d.rank == 0 and json.loads(self.path.read_text()) == self.me:
+                self.path.unlink()
 
 
 def pid_alive(pid: int) -> bool:
@@ -2076,12 +2077,11 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
     if d.rank == 0:
         shutil.rmtree(out / "sharded")
         if extra := sorted(set(source_dtypes) - set(state)):  # e.g. mtp.*: copied as is, to an indexed file of its own
-            tensors = {}
+            tensors, index = {}, json.loads((out / "model.safetensors.index.json").read_text())
             for name in extra:
                 with safetensors.safe_open(source / source_files.get(name, "model.safetensors"), "pt") as f:
                     tensors[name] = f.get_tensor(name)
             safetensors.torch.save_file(tensors, out / "model-extra.safetensors", metadata={"format": "pt"})
-            index = json.loads((out / "model.safetensors.index.json").read_text())
             index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for f in source.iterdir():  # config.json, generation_config.json, processor configs; not the tokenizer's

@@ -538,3 +538,45 @@ def test_a_non_finite_step_is_skipped_by_fused_adamw_on_the_gpu(tmp_path, tokeni
     weights = [t for f in sorted((tmp_path / "o" / "model").glob("*.safetensors")) for t in load_file(f).values()]
     assert weights and all(torch.isfinite(t).all() for t in weights)
     report("non_finite_step_skipped", steps=len(steps), tensors=len(weights))
+
+
+AHEAD_RUN = """
+import json, sys
+import torch
+import train
+
+busy, log_after_step = [], train.MetricsLog.after_step
+
+def after_step_then_look(self, job, stats):  # after the step and its log line (log_every: 1): is AdamW still queued?
+    log_after_step(self, job, stats)
+    busy.append(not torch.cuda.current_stream().query())
+
+train.MetricsLog.after_step = after_step_then_look
+result = train.train(sys.argv[1])
+print("RESULT " + json.dumps({**result, "busy": busy}))
+"""
+
+
+def test_the_host_queues_the_next_step_while_the_gpu_runs_adamw(tmp_path, tokenizer):
+    """A step's only wait for the GPU is for its gradient norm and loss, copied before AdamW's kernels: after each
+    step and its log line (every step here) AdamW is still running, so the next step's counts, flags and first
+    kernels are queued behind it and the GPU does not idle between steps. train.train on a dense model whose AdamW
+    (about 1.2 B fp32 parameters: ~10 ms) outlasts the host's work after it; auto's probe off (it syncs in its first
+    steps), in a new process."""
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    config = dense_config(vocab_size)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
+    config.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    settings = dict(model_name=str(tmp_path / "model"), init="random", max_steps=6, log_every=1, compile=False)
+    settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=2048, save_every=-1)
+    settings |= dict(attn_implementation="torch_varlen", output_dir=str(tmp_path / "o"), activation_checkpointing="0")
+    (tmp_path / "job.yaml").write_text(json.dumps(settings))
+    (tmp_path / "run.py").write_text(AHEAD_RUN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    report("host_ahead_of_adamw", busy=result["busy"])
+    assert result["steps"] == 6 and result["busy"][1:] == [True] * 5, result

@@ -105,11 +105,12 @@ def restarting(config, fault, restarts=1):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fault", ["stop-rank1-once-at-5", "kill-rank1-once-at-5"])
+@pytest.mark.parametrize("fault", ["stop-rank1-once-at-5", "stop-rank1-once-before-5", "kill-rank1-once-at-5"])
 def test_a_hung_or_killed_rank_restarts_inside_the_job_and_the_run_ends_bit_identical(
     fault, tiny_model_dir, straight, tmp_path
 ):
-    """Rank 1 hangs (SIGSTOP) or dies (SIGKILL) in step 5: the job notices (rank 0's collective times out after
+    """Rank 1 hangs (SIGSTOP) in step 5 or just before it (rank 0 then waits in a collective of the host's numbers,
+    on their gloo group), or dies (SIGKILL) in step 5: the job notices (rank 0's collective times out after
     collective_timeout_s, naming rank 1 as silent first; or it loses its peer), torchrun restarts both workers,
     and they resume from step 3's checkpoint to the uninterrupted run's losses and weights."""
     data, straight = straight

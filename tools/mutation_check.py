@@ -113,6 +113,9 @@ MUTANTS = [
            "        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=job.cfg.collective_timeout_s))\n"
            "        self.job, self.done, self.last, self.said = job, threading.Event(), None, False",
            ["tests/test_restarts.py", "-k", "longer_than"]),
+    Mutant("faults-host-numbers-wait-the-startup-timeout", "faults",
+           "            for group in (None, job.d.host_group):  # the training's collectives and the host's numbers",
+           "            for group in (None,):", ["tests/test_restarts.py", "-k", "restarts_inside"]),
     Mutant("faults-user-error-restarts-in-full", "faults",
            "        on_every_rank(partial(stopped_by_a_user_error, config, d), d)", "        pass",
            ["tests/test_restarts.py", "-k", "user_error"]),

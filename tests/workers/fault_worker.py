@@ -12,7 +12,8 @@ sigterm-launcher-at-N: rank 0 sends SIGTERM to torchrun in step N, as a schedule
 kill-launcher-at-N: rank 0 SIGKILLs torchrun alone in step N; the steps after it take 0.5 s each;
 stop-rankR-once-at-N, kill-rankR-once-at-N: rank R SIGSTOPs (hangs) or SIGKILLs itself in step N of the first
 attempt only (a file beside job.yaml remembers it), as a hung or crashed rank would (the stopped one is SIGKILLed
-once torchrun's SIGTERM is pending); kill-rankR-at-N: in every attempt;
+once torchrun's SIGTERM is pending); stop-rankR-once-before-N: the same between steps N - 1 and N, where the
+others wait in the host's collectives (a stalled read would stop a rank there); kill-rankR-at-N: in every attempt;
 slow-waits: rank 1's first step and checkpoint writes, and rank 0's end of the export, each take 1.5
 collective_timeout_s longer (a first step's compile, a slow volume).
 """
@@ -43,11 +44,8 @@ def inject(step, model, loss_sum, blocks):
         os.kill(os.getppid(), signal.SIGTERM if fault.startswith("sigterm") else signal.SIGKILL)
     if fault.startswith("kill-launcher-at-") and step > int(fault.rsplit("-", 1)[1]):
         time.sleep(0.5)
-    if fault in (f"stop-rank{rank}-once-at-{step}", f"kill-rank{rank}-once-at-{step}") and not once.exists():
-        once.write_text(fault)
-        if fault.startswith("stop"):  # torchrun's restart then waits a fixed 30 s before its SIGKILL: sooner here
-            subprocess.Popen([sys.executable, "-c", KILL_ONCE_TERMINATED, str(os.getpid())], start_new_session=True)
-        os.kill(os.getpid(), signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
+    if fault in (f"stop-rank{rank}-once-at-{step}", f"kill-rank{rank}-once-at-{step}"):
+        halt_once()
     if fault == f"kill-rank{rank}-at-{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 1 and fault == "slow-waits" and step == 1:
@@ -59,6 +57,24 @@ def inject(step, model, loss_sum, blocks):
         next(model.parameters()).grad.fill_(float("nan"))
         loss_sum = loss_sum * float("nan")
     return loss_sum
+
+
+def halt_once():  # the first attempt's rank stops (SIGSTOP) or dies (SIGKILL); a restart's goes on
+    if once.exists():
+        return
+    once.write_text(fault)
+    if fault.startswith("stop"):  # torchrun's restart then waits a fixed 30 s before its SIGKILL: sooner here
+        subprocess.Popen([sys.executable, "-c", KILL_ONCE_TERMINATED, str(os.getpid())], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
+
+
+def halting_before(train_step):  # stop-rankR-once-before-N: train_step's start, after the loop's SIGTERM check
+    def step(job, blocks, data_wait_s=0.0):
+        if fault == f"stop-rank{rank}-once-before-{job.progress.step + 1}":
+            halt_once()
+        return train_step(job, blocks, data_wait_s)
+
+    return step
 
 
 # A stopped process keeps torchrun's SIGTERM pending (/proc/PID/status); this SIGKILLs it as soon as one is.
@@ -84,6 +100,7 @@ def slowly(function, seconds: float):
 
 
 settings = yaml.safe_load(Path(job).read_text())
+train.train_step = halting_before(train.train_step)
 if fault == "slow-waits":  # legitimate waits longer than the collective timeout
     late = 1.5 * settings["collective_timeout_s"]
     if rank == 1:  # in the background write (async_save) or the save itself

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from clean_exit import leave
 
 import train
@@ -30,10 +29,9 @@ def take_gradients(step, model, loss_sum, blocks):
 
 job = train.Job(cfg, d, model, optimizer, scheduler, 1, train.Progress(), train.filler_block(0), take_gradients)
 stats = train.train_step(job, blocks)
-loss_sum = stats.loss_sum.clone()
-dist.all_reduce(loss_sum)
+loss_sum = train.all_reduced(stats.loss_sum, d, dtype=torch.float64).item()  # this rank's, as the host has it
 if d.rank == 0:
     checkpointed = [layer.gradient_checkpointing for layer in model.get_decoder().layers]
-    result = {"loss": loss_sum.item() / stats.loss_tokens, "grads": grads, "n_micro": stats.max_blocks}
+    result = {"loss": loss_sum / stats.loss_tokens, "grads": grads, "n_micro": stats.max_blocks}
     torch.save({**result, "checkpointed": checkpointed, "stepped": job.progress.step}, out_file)
 leave()  # clean_exit.py: as train.py's main() leaves
