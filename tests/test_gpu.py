@@ -500,6 +500,23 @@ def test_autotuned_kernels_are_compiled_by_threads_before_they_are_timed(tmp_pat
     assert inside == {"at once": 0, "one at a time": sum(threads.values())}, inside
 
 
+def train_in_a_new_process(tmp_path, script: str, config, tokenizer, **settings) -> subprocess.CompletedProcess:
+    """script, which calls train.train(sys.argv[1]), run with python on config's model (random weights) and the
+    sample data at 2,048-token blocks, a log line every step, no checkpoint; it must succeed."""
+    config.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    settings |= dict(model_name=str(tmp_path / "model"), init="random", log_every=1, compile=False, save_every=-1)
+    settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=2048)
+    settings |= dict(attn_implementation="torch_varlen", output_dir=str(tmp_path / "o"))
+    (tmp_path / "job.yaml").write_text(json.dumps(settings))
+    (tmp_path / "run.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 NON_FINITE_RUN = """
 import json, sys
 import train
@@ -516,18 +533,8 @@ def test_a_non_finite_step_is_skipped_by_fused_adamw_on_the_gpu(tmp_path, tokeni
     """train_step dispatches AdamW before it reads the gradient norm: on CUDA (FSDP2's DTensors, fused AdamW's CUDA
     kernel) a NaN gradient at step 2 must leave no NaN in the weights, the step counted as skipped, its window's loss
     nan and the others finite (train.train on a tiny dense model, in a new process)."""
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    dense_config(vocab_size).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    settings = dict(model_name=str(tmp_path / "model"), init="random", max_steps=4, log_every=1, compile=False)
-    settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=2048, save_every=-1)
-    settings |= dict(attn_implementation="torch_varlen", output_dir=str(tmp_path / "o"))
-    (tmp_path / "job.yaml").write_text(json.dumps(settings))
-    (tmp_path / "run.py").write_text(NON_FINITE_RUN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    config = dense_config(-(-len(tokenizer) // 64) * 64)
+    proc = train_in_a_new_process(tmp_path, NON_FINITE_RUN, config, tokenizer, max_steps=4)
     assert "step 2: non-finite loss or gradient norm, optimizer step skipped (1 in a row, 1 in all)" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "loss" in r}
@@ -563,20 +570,9 @@ def test_the_host_queues_the_next_step_while_the_gpu_runs_adamw(tmp_path, tokeni
     kernels are queued behind it and the GPU does not idle between steps. train.train on a dense model whose AdamW
     (about 1.2 B fp32 parameters: ~10 ms) outlasts the host's work after it; auto's probe off (it syncs in its first
     steps), in a new process."""
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    config = dense_config(vocab_size)
+    config = dense_config(-(-len(tokenizer) // 64) * 64)
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
-    config.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    settings = dict(model_name=str(tmp_path / "model"), init="random", max_steps=6, log_every=1, compile=False)
-    settings |= dict(dataset_name=str(ROOT / "data" / "ultrachat_sample.jsonl"), max_seq_len=2048, save_every=-1)
-    settings |= dict(attn_implementation="torch_varlen", output_dir=str(tmp_path / "o"), activation_checkpointing="0")
-    (tmp_path / "job.yaml").write_text(json.dumps(settings))
-    (tmp_path / "run.py").write_text(AHEAD_RUN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.yaml")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = train_in_a_new_process(tmp_path, AHEAD_RUN, config, tokenizer, max_steps=6, activation_checkpointing="0")
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     report("host_ahead_of_adamw", busy=result["busy"])
     assert result["steps"] == 6 and result["busy"][1:] == [True] * 5, result
