@@ -737,13 +737,15 @@ def packed_inputs(block: dict) -> dict:  # the token ids and the signals that ke
     }
 
 
-def token_losses(model, block: dict, chunk_tokens: int = 4096) -> torch.Tensor:
-    """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks."""
+def token_losses(model, block: dict, chunk_tokens: int = 4096, loss_weight: float = 1.0) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks. loss_weight:
+    each token's weight in the loss that will be differentiated (HeadLoss computes the gradients for it at once)."""
     hidden, head = model.model(**packed_inputs(block)).last_hidden_state[0], model.get_output_embeddings()
     targets = block["labels"][0, 1:]  # a block without loss tokens still runs HeadLoss, keeping FSDP's backward
     where = (targets != -100).nonzero().squeeze(1)  # hooks connected: an exact 0 loss
     loss_fn = getattr(model, "compiled_softmax_gradient", softmax_gradient)  # build_model's, with compile
-    return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, torch.is_grad_enabled(), loss_fn)
+    weight = loss_weight if torch.is_grad_enabled() else None  # None: no gradients (evaluation)
+    return HeadLoss.apply(hidden[where], head.weight, targets[where], chunk_tokens, weight, loss_fn)
 
 
 def softmax_gradient(logits: torch.Tensor, targets: torch.Tensor):  # rows' cross-entropy and its d / d logits
@@ -755,25 +757,23 @@ def softmax_gradient(logits: torch.Tensor, targets: torch.Tensor):  # rows' cros
 
 class HeadLoss(torch.autograd.Function):  # LM head and cross-entropy, their gradients in the forward: no logits kept
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, with_grads: bool, loss_fn):
-        losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
-        grad_hidden, grad_weight = (torch.empty_like(hidden), torch.zeros_like(weight)) if with_grads else (None, None)
-        for start in range(0, len(targets), chunk_tokens):  # with_grads: the caller's grad mode (off: evaluation)
-            rows = slice(start, start + chunk_tokens)  # logits, and their gradient: 2 GB at 4,096 x 248k vocabulary
-            losses[rows], grad_logits = loss_fn(hidden[rows] @ weight.T, targets[rows])
-            if with_grads:
-                grad_hidden[rows] = grad_logits @ weight
-                grad_weight.addmm_(grad_logits.T, hidden[rows])
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, loss_weight: float | None, loss_fn):
+        ctx.loss_weight, losses = loss_weight, torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        grad_hidden, grad_weight = (torch.zeros_like(hidden), torch.zeros_like(weight)) if loss_weight else (None, None)
+        for start in range(0, len(targets), chunk_tokens):  # each gradient times loss_weight in its GEMM (alpha):
+            rows = slice(start, start + chunk_tokens)  # no pass over the head's gradient to scale it afterwards
+            losses[rows], grad_logits = loss_fn(hidden[rows] @ weight.T, targets[rows])  # 2 GB at 4,096 x 248k vocab
+            if loss_weight:  # None (evaluation) or 0: no gradients
+                grad_hidden[rows].addmm_(grad_logits, weight, alpha=loss_weight)
+                grad_weight.addmm_(grad_logits.T, hidden[rows], alpha=loss_weight)
             del grad_logits  # before the next chunk allocates its own: the peak holds one chunk's tensors, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses):  # in place (2.5 GB less for the 27B): a second backward fails autograd's check
-        grad_hidden, grad_weight = ctx.saved_tensors
-        torch._assert_async((grad_losses == grad_losses[:1]).all(), "HeadLoss: every token's loss must weigh the same")
-        scale = grad_losses[:1].sum()  # 0 when there are no loss tokens
-        return grad_hidden.mul_(grad_losses[:, None].to(grad_hidden.dtype)), grad_weight.mul_(scale), *[None] * 4
+    def backward(ctx, grad_losses):  # the forward's gradients, if each loss weighs loss_weight (float32, as autograd's)
+        torch._assert_async((grad_losses == ctx.loss_weight).all(), "HeadLoss: a token's loss weighs not loss_weight")
+        return *ctx.saved_tensors, *[None] * 4
 
 
 # ---- Optimizer and schedule --------------------------------------------------------------------------------------
@@ -869,7 +869,7 @@ def run_blocks(model, blocks: list[dict], n_micro: int, filler: dict, cfg: Confi
     """Forward (and backward of sum(CE) * scale) over n_micro blocks, fillers last: the detached loss sum."""
     loss_sum = torch.zeros((), device=d.device)
     for block in (blocks + [filler] * n_micro)[:n_micro]:  # this rank's blocks, then fillers
-        losses = model.token_losses(to_device(block, d.device), cfg.loss_chunk_tokens)
+        losses = model.token_losses(to_device(block, d.device), cfg.loss_chunk_tokens, scale or 1.0)  # None: no grad
         if scale is not None:
             (losses.sum() * scale).backward()
         loss_sum += losses.detach().sum()

@@ -41,8 +41,9 @@ def test_two_ranks_with_unequal_loss_tokens_match_one_process_on_all_data(
     config = train.model_config(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, attn_implementation="sdpa")
     blocks = [train.make_block(segs, n, 0) for rank in per_rank for segs, n in rank]
-    losses = torch.cat([train.token_losses(model, b) for b in blocks])
-    (losses.sum() / losses.numel()).backward()
+    weight = 1 / sum(b["loss_tokens"] for b in blocks)  # the global token mean's, as train_step weighs each loss
+    losses = torch.cat([train.token_losses(model, b, loss_weight=weight) for b in blocks])
+    (losses.sum() * weight).backward()
     assert got["n_micro"] == 3
     assert got["loss"] == pytest.approx(losses.mean().item(), rel=1e-6)
     for name, p in model.named_parameters():

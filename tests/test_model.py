@@ -67,7 +67,7 @@ def assert_head_loss_matches_full_logits(model, block):
     for name in ("fused", "plain"):
         model.zero_grad(set_to_none=True)
         if name == "fused":
-            losses = train.token_losses(model, block, chunk_tokens=7)
+            losses = train.token_losses(model, block, chunk_tokens=7, loss_weight=0.37)
         else:
             logits = model(**train.packed_inputs(block)).logits[0, :-1][targets != -100]
             losses = F.cross_entropy(logits.float(), targets[targets != -100], reduction="none")
@@ -85,6 +85,17 @@ def test_head_loss_gradients_equal_autograd_through_full_logits(model, examples,
     assert_head_loss_matches_full_logits(model, packed_block(examples, tokenizer.pad_token_id))
 
 
+def test_head_loss_refuses_a_backward_whose_losses_weigh_other_than_its_loss_weight(model, examples, tokenizer):
+    """HeadLoss scales its gradients by loss_weight in the forward: a backward that weighs the losses otherwise (or
+    each differently) would train on wrong gradients, and stops instead; the weight given passes."""
+    block = packed_block(examples, tokenizer.pad_token_id)
+    for weigh in (lambda losses: losses.sum() * 0.5, lambda losses: (losses * torch.rand_like(losses)).sum()):
+        with pytest.raises(RuntimeError, match="weighs not loss_weight"):
+            weigh(train.token_losses(model, block, loss_weight=0.25)).backward()
+    (train.token_losses(model, block, loss_weight=0.5).sum() * 0.5).backward()
+    model.zero_grad(set_to_none=True)
+
+
 def test_head_loss_with_tied_embeddings_sums_both_uses_of_the_weight():
     """A model whose LM head is its embedding matrix (a fresh 2-layer model): the head's gradient from HeadLoss
     and the embedding's from the input side add up to autograd's."""
@@ -99,15 +110,6 @@ def test_head_loss_with_tied_embeddings_sums_both_uses_of_the_weight():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(0, 300, (50,)).tolist()
     assert_head_loss_matches_full_logits(model, train.make_block([(ids, [False] * 10 + [True] * 40)], 50, pad_id=0))
-
-
-def test_head_loss_refuses_tokens_weighted_differently(model, examples, tokenizer):
-    """The head's weight gradient is summed before backward sees the tokens' weights: unequal ones must fail."""
-    block = packed_block(examples, tokenizer.pad_token_id)
-    losses = train.token_losses(model, block)
-    with pytest.raises(RuntimeError, match="must weigh the same"):
-        (losses * torch.linspace(0.5, 1.5, len(losses))).sum().backward()
-    model.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
@@ -451,7 +453,8 @@ def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, e
                 continue
             for group in optimizer.param_groups:
                 group["fused"] = False  # the reference: torch's for-loop AdamW, after clip_grad_norm_ or nothing
-            (model.token_losses(block).sum() / block["loss_tokens"]).backward()
+            weight = 1 / block["loss_tokens"]  # as train_step's scale: HeadLoss computes its gradients for it
+            (model.token_losses(block, loss_weight=weight).sum() * weight).backward()
             if how == "clip_grad_norm_":
                 torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
             optimizer.step(), scheduler.step(), optimizer.zero_grad()
