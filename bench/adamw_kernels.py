@@ -83,7 +83,10 @@ def main() -> None:
         step = None  # the last variant's state freed first
         torch.cuda.empty_cache()
         t = time.perf_counter()
-        if variant == "per-tensor":
+        if variant.startswith("triton"):  # triton-BLOCK-WARPS
+            _, block, warps = variant.split("-")
+            step = triton_step(params, groups, int(block), int(warps))
+        elif variant == "per-tensor":
             step = per_tensor_step(params, groups)
         elif variant == "compiled-foreach":  # torch's foreach AdamW, torch.compile'd with the clipping before it
             step = compiled_foreach_step(params, groups)
@@ -120,6 +123,41 @@ def per_tensor_step(params: list, groups: list):
         lr, b1, b2, eps, bc1, bc2 = scalars
         for q, (m, v), wd in zip(params, moments, wds):
             update(q.data.view(-1), q.grad.view(-1), m, v, lr, wd, b1, b2, eps, bc1, bc2, inv)
+
+    return step
+
+
+def triton_step(params: list, groups: list, block: int, warps: int):
+    """One hand-written Triton kernel a tensor (BLOCK elements a program, WARPS warps): the update of per_tensor_step,
+    the clipping's scale read on the device, the step's scalars as fp32 arguments."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, scale_ptr, lr, wd, b1, b2, eps, bc1, bc2_sqrt, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, eviction_policy="evict_first") / tl.load(scale_ptr)
+        p = tl.load(p_ptr + offs, mask=mask, eviction_policy="evict_first")
+        m = tl.load(m_ptr + offs, mask=mask, eviction_policy="evict_first")
+        v = tl.load(v_ptr + offs, mask=mask, eviction_policy="evict_first")
+        m = m + (1 - b1) * (g - m)
+        v = b2 * v + (1 - b2) * g * g
+        p = p * (1 - lr * wd) - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+    moments = [(torch.zeros_like(q), torch.zeros_like(q)) for q in params]
+    decay = {id(q) for q in groups[0]["params"]}
+    bc1, bc2_sqrt = 1 - BETAS[0], (1 - BETAS[1]) ** 0.5  # step 1's
+
+    def step(scale):
+        for q, (m, v) in zip(params, moments):
+            wd = WEIGHT_DECAY if id(q) in decay else 0.0
+            grid = (triton.cdiv(q.numel(), block),)
+            kernel[grid](q.data, q.grad, m, v, q.numel(), scale, LR, wd, *BETAS, EPS, bc1, bc2_sqrt, BLOCK=block,
+                         num_warps=warps)  # fmt: skip
 
     return step
 
