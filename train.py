@@ -146,7 +146,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
-Dist = namedtuple("Dist", "rank world_size device owns_group host_group", defaults=[None])  # owns_group: ours to end
+Dist = namedtuple("Dist", "rank world_size device owns_group host_group save_group", defaults=[None, None])
 STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop before each step
 
 
@@ -169,10 +169,11 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's 
                 Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
     host_group = dist.new_group(backend="gloo")  # the host's numbers (counts, flags, the log's): no wait for the GPU
+    save_group = dist.new_group(backend="gloo")  # checkpoints' (Checkpointer): a long timeout, not collective_timeout_s
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: each thread's stack (data workers too)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         threading.Thread(target=exit_with_launcher, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
-    return Dist(rank, world_size, device, owns_group, host_group)
+    return Dist(rank, world_size, device, owns_group, host_group, save_group)
 
 
 def attempt_store(world_size: int):  # torchrun's store (it outlives a restart) under this attempt's keys
@@ -738,8 +739,7 @@ def packed_inputs(block: dict) -> dict:  # the token ids and the signals that ke
 
 
 def token_losses(model, block: dict, chunk_tokens: int = 4096, loss_weight: float = 1.0) -> torch.Tensor:
-    """Per-token cross-entropy (fp32) at the loss positions: the LM head runs on those only, in chunks. loss_weight:
-    each token's weight in the loss that will be differentiated (HeadLoss computes the gradients for it at once)."""
+    """Per-token cross-entropy (fp32) at the loss positions, the LM head on those only, in chunks (HeadLoss)."""
     hidden, head = model.model(**packed_inputs(block)).last_hidden_state[0], model.get_output_embeddings()
     targets = block["labels"][0, 1:]  # a block without loss tokens still runs HeadLoss, keeping FSDP's backward
     where = (targets != -100).nonzero().squeeze(1)  # hooks connected: an exact 0 loss
@@ -1009,9 +1009,9 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         elif "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, (Interrupted, UserError)):
             print(after_a_fault(e, config, d), file=sys.stderr, flush=True)
         raise
-    finally:
-        if d.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # this call's groups go: the world if it made it, else its own two (a notebook may call train() again)
+        for group in ([None] if d.owns_group else [d.host_group, d.save_group]) if dist.is_initialized() else []:
+            dist.destroy_process_group(group)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1482,7 +1482,7 @@ class Checkpointer(Operation, AsyncStager):  # sharded DCP checkpoints (model, A
     def __init__(self, job: Job, log: MetricsLog | None = None):  # run() builds it only when save_every >= 0
         self.job, self.log, self.pending, self.buffers, self.preparing = job, log, None, {}, None
         self.last, self.saved_step = time.monotonic(), job.progress.step or None  # a resumed run starts at a save
-        self.group = dist.new_group(backend="gloo")  # saves wait on it: a long timeout, not collective_timeout_s
+        self.group = job.d.save_group  # saves wait on it: a long timeout, not collective_timeout_s
         if job.cfg.async_save:  # the staged copy's host memory (weights, AdamW's moments)
             ranks, gib = int(os.environ.get("LOCAL_WORLD_SIZE", job.d.world_size)), 2**30
             rank = sum(p.to_local().nbytes * (3 if p.requires_grad else 1) for p in job.model.parameters()) / gib

@@ -145,15 +145,16 @@ def conversations():
 
 
 @pytest.fixture()
-def world_of_one(tmp_path):
-    """A process group of this process alone (gloo), for the functions that take a Dist and run collectives."""
-    import torch
+def world_of_one(tmp_path, monkeypatch):
+    """A process group of this process alone (gloo), joined as train() joins a caller's: setup_distributed's Dist,
+    its host and save groups included, for the functions that take a Dist and run collectives."""
     import torch.distributed as dist
 
     import train
 
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))  # setup's default, undone after
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield train.Dist(0, 1, torch.device("cpu"), owns_group=True)
+    yield train.setup_distributed(str(tmp_path))
     dist.destroy_process_group()
 
 

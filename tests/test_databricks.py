@@ -253,6 +253,24 @@ def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
     assert not any("SECRETtoken" in text for text in everything)
 
 
+def test_train_in_a_callers_process_group_leaves_the_process_the_groups_it_had(tiny_model_dir, tmp_path):
+    """A notebook that made its own process group keeps it through train(), and what train() made there (the host's
+    group, the checkpoints' group) goes: two calls in one process, each saving a checkpoint, leave the groups as
+    they were."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        groups = len(dist.distributed_c10d._world.pg_map)
+        for name in ("first", "second"):
+            settings = dict(max_steps=1, save_every=1, export=False, output_dir=str(tmp_path / name))
+            assert train.train(str(write_tiny_job(tmp_path / f"{name}.yaml", tiny_model_dir, **settings)))["steps"] == 1
+            assert (tmp_path / name / "checkpoints/step_00000001/complete.json").exists()
+            assert dist.is_initialized() and len(dist.distributed_c10d._world.pg_map) == groups
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.distributed
 def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_model_dir, tmp_path):
     """@distributed starts one process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, and calls the
