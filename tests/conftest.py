@@ -148,13 +148,19 @@ def conversations():
 def world_of_one(tmp_path, monkeypatch):
     """A process group of this process alone (gloo), joined as train() joins a caller's: setup_distributed's Dist,
     its host and save groups included, for the functions that take a Dist and run collectives."""
+    import torch
     import torch.distributed as dist
 
     import train
 
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))  # setup's default, undone after
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield train.setup_distributed(str(tmp_path))
+    with monkeypatch.context() as setup:  # rank 0 of 1 on the CPU, on a GPU machine too (the world is gloo's)
+        setup.setattr(torch.cuda, "is_available", lambda: False)
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            setup.delenv(name, raising=False)
+        d = train.setup_distributed(str(tmp_path))
+    yield d
     dist.destroy_process_group()
 
 
