@@ -146,7 +146,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
 # ---- Distributed setup -------------------------------------------------------------------------------------------
 STARTUP_TIMEOUT = timedelta(minutes=30)  # a collective's longest wait until training runs (collective_timeout_s then)
 NCCL_ON_TIMEOUT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1")
-Dist = namedtuple("Dist", "rank world_size device owns_group host_group save_group", defaults=[None, None])
+Dist = namedtuple("Dist", "rank world_size device owns_group host_group save_group")  # owns_group: ours to end
 STOP = threading.Event()  # set by SIGTERM while training (stop_on_sigterm), read by the loop before each step
 
 
