@@ -304,11 +304,14 @@ def test_restarts_over_nodes_sharing_torchruns_store_are_refused_before_they_han
 
 @pytest.mark.parametrize("timeout_s", [4.0, math.inf])
 def test_the_collective_timeout_holds_from_the_first_steps_end_and_inf_means_none(world_of_one, timeout_s):
-    """collective_timeout_s replaces the startup's timeout after step 1, and the startup's is back at the end; inf
-    (no timeout) is a timeout of 1e7 s, not an OverflowError after the first step that every restart repeats."""
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    """collective_timeout_s replaces the startup's timeout after step 1 for the training's and the host's collectives,
+    not the checkpoints', and the startup's is back at the end; inf (no timeout) is a timeout of 1e7 s, not an
+    OverflowError after the first step that every restart repeats."""
+    groups = dist.group.WORLD, world_of_one.host_group, world_of_one.save_group
+    training, host, save = (group._get_backend(torch.device("cpu")).options for group in groups)
     job = train.Job(train.Config(collective_timeout_s=timeout_s), world_of_one, *[None] * 4, train.Progress(), {})
     with train.HangWatch(job) as watch:
         watch.after_step(job, train.StepStats(max_blocks=1, blocks=1, loss_tokens=1, tokens=1, sum_sq_len=1))
-        assert backend.options._timeout == timedelta(seconds=min(timeout_s, 1e7))
-    assert backend.options._timeout == train.STARTUP_TIMEOUT
+        assert training._timeout == host._timeout == timedelta(seconds=min(timeout_s, 1e7))
+        assert save._timeout == train.STARTUP_TIMEOUT  # a checkpoint's write to a slow volume is not a hang
+    assert training._timeout == host._timeout == save._timeout == train.STARTUP_TIMEOUT
