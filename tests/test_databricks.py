@@ -271,6 +271,36 @@ def test_train_in_a_callers_process_group_leaves_the_process_the_groups_it_had(t
         dist.destroy_process_group()
 
 
+def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_resume(tiny_model_dir, tmp_path, capfd):
+    """In a notebook's process, an exception in step 5 while step 4's background write is in flight: train() raises
+    it without waiting for that write (its checkpoint has no complete.json), and the next call resumes from step 2's
+    and trains to the end, step 4's save written again."""
+    import torch.distributed as dist
+
+    def fails_at_step_5(step, *_):
+        if step == 5:
+            raise RuntimeError("a fault in step 5")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        groups, out = len(dist.distributed_c10d._world.pg_map), tmp_path / "out"
+        settings = dict(max_steps=6, save_every=2, keep_checkpoints=3, export=False, output_dir=str(out))
+        job = str(write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **settings))
+        with pytest.raises(RuntimeError, match="a fault in step 5"):
+            train.train(job, step_hook=fails_at_step_5)
+        saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
+        assert saved == {"step_00000002"} and (out / "checkpoints/step_00000004").is_dir()
+        assert len(dist.distributed_c10d._world.pg_map) == groups
+        capfd.readouterr()
+        assert train.train(job)["steps"] == 6
+        assert f"resumed from {out / 'checkpoints/step_00000002'} (step 2 of 6)" in capfd.readouterr().out
+        saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
+        assert saved == {"step_00000002", "step_00000004", "step_00000006"}
+        assert json.loads((out / "checkpoints/step_00000004/complete.json").read_text())["step"] == 4
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.distributed
 def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_model_dir, tmp_path):
     """@distributed starts one process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, and calls the
