@@ -271,10 +271,11 @@ def test_train_in_a_callers_process_group_leaves_the_process_the_groups_it_had(t
         dist.destroy_process_group()
 
 
-def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_resume(tiny_model_dir, tmp_path, capfd):
+def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_resume(tiny_model_dir, tmp_path, capsys):
     """In a notebook's process, an exception in step 5 while step 4's background write is in flight: train() raises
     it without waiting for that write (its checkpoint has no complete.json), and the next call resumes from step 2's
-    and trains to the end, step 4's save written again."""
+    and trains to the end, step 4's save written again. (Under capsys, as under a notebook stream with no file
+    descriptor: the stack dumps go to the process's own stderr.)"""
     import torch.distributed as dist
 
     def fails_at_step_5(step, *_):
@@ -291,9 +292,9 @@ def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_re
         saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
         assert saved == {"step_00000002"} and (out / "checkpoints/step_00000004").is_dir()
         assert len(dist.distributed_c10d._world.pg_map) == groups
-        capfd.readouterr()
+        capsys.readouterr()
         assert train.train(job)["steps"] == 6
-        assert f"resumed from {out / 'checkpoints/step_00000002'} (step 2 of 6)" in capfd.readouterr().out
+        assert f"resumed from {out / 'checkpoints/step_00000002'} (step 2 of 6)" in capsys.readouterr().out
         saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
         assert saved == {"step_00000002", "step_00000004", "step_00000006"}
         assert json.loads((out / "checkpoints/step_00000004/complete.json").read_text())["step"] == 4
