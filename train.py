@@ -170,7 +170,7 @@ def setup_distributed(output_dir: str = "outputs") -> Dist:  # joins torchrun's 
         dist.init_process_group(backend, timeout=STARTUP_TIMEOUT, rank=rank, world_size=world_size, **how)
     host_group = dist.new_group(backend="gloo")  # the host's numbers (counts, flags, the log's): no wait for the GPU
     save_group = dist.new_group(backend="gloo")  # checkpoints' (Checkpointer): a long timeout, not collective_timeout_s
-    faulthandler.register(signal.SIGUSR1, sys.__stderr__, all_threads=True)  # kill -USR1 PID: each thread's stack
+    faulthandler.register(signal.SIGUSR1, sys.__stderr__, all_threads=True)  # kill -USR1 PID: stacks, workers' too
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
         threading.Thread(target=exit_with_launcher, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
     return Dist(rank, world_size, device, owns_group, host_group, save_group)
@@ -1915,8 +1915,8 @@ class HangWatch(Operation, contextlib.AbstractContextManager):  # a waiting rank
             line = f"rank {d.rank}: no step has ended for {waited:.0f} s (next: step {self.job.progress.step + 1}); "
             line += f"silent ranks: {', '.join(silent) or 'none (each prints where it is)'}; a training collective"
             line += f" times out at {timeout:.0f} s, a save waits up to {STARTUP_TIMEOUT}. Where this rank is:"
-            print(line, file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(sys.__stderr__)  # as SIGUSR1's: the process's own stderr
+            print(line, file=sys.__stderr__, flush=True)  # with its stack, to the process's own stderr (as SIGUSR1's)
+            faulthandler.dump_traceback(sys.__stderr__)
             self.said = True
 
 

@@ -253,25 +253,33 @@ def test_mlflow_gets_params_and_metrics_and_no_secret(tiny_model_dir, tmp_path):
     assert not any("SECRETtoken" in text for text in everything)
 
 
-def test_train_in_a_callers_process_group_leaves_the_process_the_groups_it_had(tiny_model_dir, tmp_path):
+@pytest.fixture()
+def callers_world(tmp_path):
+    """A process group a notebook made itself (gloo, this process alone), as train() finds it there; the number of
+    groups in the process before train()."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield len(dist.distributed_c10d._world.pg_map)
+    dist.destroy_process_group()
+
+
+def test_train_in_a_callers_process_group_leaves_the_process_the_groups_it_had(tiny_model_dir, tmp_path, callers_world):
     """A notebook that made its own process group keeps it through train(), and what train() made there (the host's
     group, the checkpoints' group) goes: two calls in one process, each saving a checkpoint, leave the groups as
     they were."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        groups = len(dist.distributed_c10d._world.pg_map)
-        for name in ("first", "second"):
-            settings = dict(max_steps=1, save_every=1, export=False, output_dir=str(tmp_path / name))
-            assert train.train(str(write_tiny_job(tmp_path / f"{name}.yaml", tiny_model_dir, **settings)))["steps"] == 1
-            assert (tmp_path / name / "checkpoints/step_00000001/complete.json").exists()
-            assert dist.is_initialized() and len(dist.distributed_c10d._world.pg_map) == groups
-    finally:
-        dist.destroy_process_group()
+    for name in ("first", "second"):
+        settings = dict(max_steps=1, save_every=1, export=False, output_dir=str(tmp_path / name))
+        assert train.train(str(write_tiny_job(tmp_path / f"{name}.yaml", tiny_model_dir, **settings)))["steps"] == 1
+        assert (tmp_path / name / "checkpoints/step_00000001/complete.json").exists()
+        assert dist.is_initialized() and len(dist.distributed_c10d._world.pg_map) == callers_world
 
 
-def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_resume(tiny_model_dir, tmp_path, capsys):
+def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_resume(
+    tiny_model_dir, tmp_path, callers_world, capsys
+):
     """In a notebook's process, an exception in step 5 while step 4's background write is in flight: train() raises
     it without waiting for that write (its checkpoint has no complete.json), and the next call resumes from step 2's
     and trains to the end, step 4's save written again. (Under capsys, as under a notebook stream with no file
@@ -282,24 +290,19 @@ def test_an_exception_with_a_checkpoint_in_flight_leaves_the_one_before_it_to_re
         if step == 5:
             raise RuntimeError("a fault in step 5")
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        groups, out = len(dist.distributed_c10d._world.pg_map), tmp_path / "out"
-        settings = dict(max_steps=6, save_every=2, keep_checkpoints=3, export=False, output_dir=str(out))
-        job = str(write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **settings))
-        with pytest.raises(RuntimeError, match="a fault in step 5"):
-            train.train(job, step_hook=fails_at_step_5)
-        saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
-        assert saved == {"step_00000002"} and (out / "checkpoints/step_00000004").is_dir()
-        assert len(dist.distributed_c10d._world.pg_map) == groups
-        capsys.readouterr()
-        assert train.train(job)["steps"] == 6
-        assert f"resumed from {out / 'checkpoints/step_00000002'} (step 2 of 6)" in capsys.readouterr().out
-        saved = {p.parent.name for p in (out / "checkpoints").glob("step_*/complete.json")}
-        assert saved == {"step_00000002", "step_00000004", "step_00000006"}
-        assert json.loads((out / "checkpoints/step_00000004/complete.json").read_text())["step"] == 4
-    finally:
-        dist.destroy_process_group()
+    out = tmp_path / "out"
+    settings = dict(max_steps=6, save_every=2, keep_checkpoints=3, export=False, output_dir=str(out))
+    job, cfg = str(write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **settings)), train.Config(output_dir=str(out))
+    with pytest.raises(RuntimeError, match="a fault in step 5"):
+        train.train(job, step_hook=fails_at_step_5)
+    assert [p.name for p in train.complete_checkpoints(cfg)] == ["step_00000002"]
+    assert (out / "checkpoints/step_00000004").is_dir()
+    assert len(dist.distributed_c10d._world.pg_map) == callers_world
+    capsys.readouterr()
+    assert train.train(job)["steps"] == 6
+    assert f"resumed from {out / 'checkpoints/step_00000002'} (step 2 of 6)" in capsys.readouterr().out
+    assert [p.name for p in train.complete_checkpoints(cfg)] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert json.loads((out / "checkpoints/step_00000004/complete.json").read_text())["step"] == 4
 
 
 @pytest.mark.distributed

@@ -453,13 +453,12 @@ def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, e
     (optimizer, scheduler), (reference_optimizer, _) = (train.make_optimizer(m, cfg, total_steps=3) for m in built)
     job = train.Job(cfg, world_of_one, model, optimizer, scheduler, 3, train.Progress(), {})
     for block in blocks:
-        weights = {}
+        weights, weight = {}, 1 / block["loss_tokens"]  # as train_step's scale: HeadLoss computes its gradients for it
         for how in ("clip_grad_norm_", "unclipped"):  # torch's for-loop AdamW, after clip_grad_norm_ or nothing
             reference.load_state_dict(model.state_dict())
             reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # this step's lr too
             for group in reference_optimizer.param_groups:
                 group["fused"] = False
-            weight = 1 / block["loss_tokens"]  # as train_step's scale: HeadLoss computes its gradients for it
             (reference.token_losses(block, loss_weight=weight).sum() * weight).backward()
             if how == "clip_grad_norm_":
                 torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm)
