@@ -9,8 +9,7 @@ Part I, the recipe, in the order it runs: settings (one dataclass; $HYPERPARAMET
 whole conversations packed into blocks with the signals that keep them apart) -> model (meta device, activation
 checkpointing, fully_shard per decoder layer then the root, each rank reading its own slices of the checkpoint) ->
 loss, optimizer and step (the token mean over all ranks) -> the loop -> run(), train(config), main().
-Part II, operations: parsing, startup checks, counting, checkpoints and resume, the recompute probe, metrics, eval,
-the run lock and SIGTERM, the Hugging Face export.
+Part II, operations: parsing, checks, counting, checkpoints, the recompute probe, metrics, eval, lock, SIGTERM, export.
 
   GPU node:   torchrun --nproc_per_node=8 train.py
   multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
@@ -481,13 +480,10 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of indices, lengths summing to <= capacity: longest first, each into the fullest bin it fits."""
     bins, room = [], []  # each bin's items, and the room left in it
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if fits := [b for b in range(len(bins)) if room[b] >= lengths[i]]:
-            b = min(fits, key=lambda b: room[b])
-            bins[b].append(i)
-            room[b] -= lengths[i]
-        else:
-            bins.append([i])
-            room.append(capacity - lengths[i])
+        b = min((b for b in range(len(bins)) if room[b] >= lengths[i]), key=lambda b: room[b], default=len(bins))
+        bins, room = (bins, room) if b < len(bins) else ([*bins, []], [*room, capacity])  # none had room: a new bin
+        bins[b].append(i)
+        room[b] -= lengths[i]
     return bins
 
 
@@ -683,12 +679,21 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     policy = MixedPrecisionPolicy(getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype))  # param, reduce
     for module in [*layers, model]:  # each decoder layer, then the root
         fully_shard(module, mesh=mesh, mp_policy=policy)
+        if mesh.size() == 1:  # FSDP's reduce on one rank copies the gradients: OneRankReduce makes it no copy
+            module.set_custom_reduce_scatter(OneRankReduce())
     model.to_empty(device=device)
     for module in (m for m in model.modules() if m._buffers):  # buffers (rotary inv_freq) are in no checkpoint:
         model._init_weights(module)  # the model's initialiser computes them, as transformers does
     model.token_losses = token_losses.__get__(model)  # token_losses skips model.forward: registered,
     register_fsdp_forward_method(model, "token_losses")  # FSDP all-gathers the root's parameters around it too
     return model
+
+
+class OneRankReduce:  # FSDP's reduce-scatter on one rank, where FSDP copies its input (the gradients in reduce_dtype)
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:  # into an output it asks for next: 10 GB a step at the
+        held = sys._getframe(1).f_locals.get("reduce_scatter_input")  # geometry's backward end. Asked while FSDP holds
+        same = held is not None and held.shape == torch.Size(size) and held.dtype == dtype  # its input, it returns that
+        return held if same else torch.empty(size, dtype=dtype, device=device)  # input, and copy_ skips a self-copy
 
 
 def compile_elementwise(layers) -> None:  # norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager
@@ -847,8 +852,7 @@ class StepStats:  # a step's counts over all ranks, and its results
 
 
 def all_reduced(values, d: Dist, op=dist.ReduceOp.SUM, dtype=None) -> torch.Tensor:
-    """values reduced in place over all ranks: a GPU's tensor on the GPU; the host's numbers (counts, flags, seconds)
-    on the CPU, over d.host_group: the host does not wait for the GPU's queued work to reduce them."""
+    """values reduced in place over all ranks: a GPU's tensor on the GPU, the host's numbers over d.host_group."""
     tensor = torch.as_tensor(values, dtype=dtype)  # a tensor stays where it is
     dist.all_reduce(tensor, op=op, group=None if tensor.is_cuda else d.host_group)
     return tensor
@@ -1195,10 +1199,8 @@ def check_tracking_store() -> None:  # tried first: a store MetricsLog cannot us
     import mlflow
 
     try:  # the cheapest call that needs the store: the platform's run, or one experiment
-        if run_id:
-            mlflow.MlflowClient().get_run(run_id)
-        else:
-            mlflow.MlflowClient().search_experiments(max_results=1)
+        client = mlflow.MlflowClient()
+        client.get_run(run_id) if run_id else client.search_experiments(max_results=1)
     except (mlflow.exceptions.MlflowException, OSError, ImportError, ValueError) as e:  # ImportError: no db driver
         cause = e  # the innermost: "[Errno 111] Connection refused", not the URL (and any password in it) thrice
         while cause.__cause__ or cause.__context__:
@@ -1833,11 +1835,9 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         with open(Path(self.cfg.output_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.mlflow:
-            flat = {}
-            for key, value in record.items():
-                for name, v in value.items() if isinstance(value, dict) else [("", value)]:
-                    if isinstance(v, (int, float)) and key not in ("step", "total_steps", "time"):
-                        flat[f"{key}/{name}" if name else key] = v
+            pairs = [(k, v) for k, v in record.items() if k not in ("step", "total_steps", "time")]
+            pairs += [(f"{k}/{n}", v) for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()]
+            flat = {k: v for k, v in pairs if isinstance(v, (int, float))}  # numbers; a dict's (packing's) as key/name
             try:  # a tracking-server hiccup must not end a week-long run
                 self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:

@@ -434,6 +434,47 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
     assert all(a.equal(b) for a, b in zip(kept[1] + kept[2], away[1] + away[2]))
 
 
+def test_one_rank_reduce_makes_fsdps_copy_of_the_gradients_a_copy_onto_itself(
+    tiny_model_dir, examples, world_of_one, monkeypatch
+):
+    """On one rank FSDP "reduces" a module's gradients by copying its input buffer (them, cast to reduce_dtype) into an
+    output buffer it asks its reduce-scatter for; build_model's OneRankReduce answers with the input itself. Over two
+    blocks (the second's gradients added to the first's), each reduce's copy is of a tensor onto itself, which
+    copy_ skips (with FSDP's own fresh buffers, none is), and the gradients equal those of FSDP's own buffers."""
+    cfg = train.Config(model_name=str(tiny_model_dir), compile=False)
+    blocks = [train.make_block([example], len(example[0]), 0) for example in examples[:2]]
+    copies, copy_ = [], torch.Tensor.copy_
+
+    def recorded_copy(self, src, *args, **kwargs):
+        copies.append(self is src)
+        return copy_(self, src, *args, **kwargs)
+
+    class FreshBuffers:  # as FSDP's default reduce-scatter allocates
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+    grads, onto_itself = {}, {}
+    for buffers in ("OneRankReduce", "fresh"):
+        torch.manual_seed(0)
+        model = train.build_model(train.model_config(tiny_model_dir), cfg, "sdpa", world_of_one.device)
+        train.load_pretrained(model, tiny_model_dir, train.checkpoint_dtypes(tiny_model_dir))
+        modules = [*model.get_decoder().layers, model]
+        for module in modules if buffers == "fresh" else []:
+            module.set_custom_reduce_scatter(FreshBuffers())
+        copies.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "copy_", recorded_copy)
+            for block in blocks:
+                weight = 1 / block["loss_tokens"]
+                (model.token_losses(block, loss_weight=weight).sum() * weight).backward()
+        grads[buffers] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        onto_itself[buffers] = sum(copies)
+    assert onto_itself == {"OneRankReduce": 2 * len(modules), "fresh": 0}  # each module's reduce, at each block
+    assert grads["fresh"].keys() == grads["OneRankReduce"].keys() and len(grads["fresh"]) > 10
+    assert all(grads["fresh"][n].equal(grads["OneRankReduce"][n]) for n in grads["fresh"])
+    assert all(g.abs().sum() > 0 for g in grads["fresh"].values())
+
+
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
 def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, examples, world_of_one, max_grad_norm):
     """train_step leaves the clipping to fused AdamW (its grad_scale divides each gradient as it is read): each of
