@@ -242,7 +242,8 @@ def profile_two_steps(first: int, out: Path):
             return
         if step == first:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            state["profiler"] = torch.profiler.profile(activities=activities, record_shapes=True)  # gemm_shapes
+            stacks = bool(os.environ.get("BENCH_PROFILE_STACK"))  # by_caller names the module around each launch
+            state["profiler"] = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=stacks)
             state["profiler"].__enter__()
             state["t0"] = time.perf_counter()
         elif step == first + 2 and "profiler" in state:
@@ -326,7 +327,8 @@ def launch_ranges(events: list) -> dict:
     runtime calls (PyTorch's kernels, copies) and driver calls (Triton's: fla's and Inductor's kernels)."""
     by_thread, around = {}, {}
     for e in events:
-        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+        module = e.get("cat") == "python_function" and e.get("name", "").startswith("nn.Module: ")  # with_stack
+        if (module or e.get("cat") in ("cpu_op", "user_annotation")) and "dur" in e:
             by_thread.setdefault(e["tid"], []).append((e["ts"], 0, -e["dur"], e))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             by_thread.setdefault(e["tid"], []).append((e["ts"], 1, 0, e))
@@ -345,11 +347,16 @@ def launch_ranges(events: list) -> dict:
 def by_caller(events: list, kernels: list) -> list:
     """Kernels' time (kernels: (event, kind) pairs, GEMMs aside) by what launched them: the innermost of FSDP's
     labels (FSDP::...) around the launch, else the innermost op, with the kernel's kind: where the copies, casts and
-    elementwise work come from."""
+    elementwise work come from. Before the op: the innermost module around it (BENCH_PROFILE_STACK=1, forward only)
+    or, in the backward, the autograd node it runs for."""
     around, rows = launch_ranges(events), {}
     for kernel, kind in kernels:
         names = around.get(kernel.get("args", {}).get("correlation"), [])
-        label = next((n for n in reversed(names) if n.startswith("FSDP")), names[-1] if names else "?")
+        ops = [n for n in names if not n.startswith("nn.Module: ")]
+        label = next((n for n in reversed(names) if n.startswith("FSDP")), ops[-1] if ops else "?")
+        where = [re.sub(r"_\d+$", "", n[11:]) for n in names if n.startswith("nn.Module: ")][-1:]
+        where += [n.split(": ")[-1] for n in ops if n.startswith("autograd::engine::evaluate_function")][:1]
+        label = f"{where[0]} / {label}" if where and not label.startswith("FSDP") else label
         key = f"{label} [{kind}: {kernel['name'][:40]}]"
         ms, count = rows.get(key, (0.0, 0))
         rows[key] = (ms + kernel["dur"] / 1e3, count + 1)

@@ -71,3 +71,34 @@ def test_logsteps_weights_each_step_by_its_seconds_from_both_recipes_lines(tmp_p
     proc = subprocess.run([*command, "1000", "--first", "99"], capture_output=True, text=True)  # trl's: none chosen
     seed = subprocess.run([*command[:3], str(tmp_path / "seed"), "--seq-len", "1000"], capture_output=True, text=True)
     assert proc.returncode == seed.returncode == 1 and "no step line" in proc.stderr + seed.stderr, seed.stderr
+
+
+def test_profile_names_each_kernels_module_or_autograd_node_and_fsdps_label_first():
+    """bench.py profile's callers: a kernel launched in a forward is named by the innermost module around its launch
+    (with_stack's nn.Module ranges, BENCH_PROFILE_STACK=1), one in the backward by the autograd node it runs for, and
+    one inside FSDP's labels by the label alone; each with the op that launched it."""
+    import bench
+
+    def launch(ts, tid, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    events = [
+        {"cat": "python_function", "name": "nn.Module: Qwen3_5DecoderLayer_3", "ts": 0, "dur": 100, "tid": 1},
+        {"cat": "python_function", "name": "nn.Module: Qwen3_5Attention_1", "ts": 5, "dur": 50, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 10, "dur": 5, "tid": 1},
+        launch(11, 1, 7),
+        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: MulBackward0", "ts": 200, "dur": 50, "tid": 2},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 210, "dur": 5, "tid": 2},
+        launch(211, 2, 8),
+        {"cat": "user_annotation", "name": "FSDP::post_backward_reduce", "ts": 300, "dur": 50, "tid": 2},
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 310, "dur": 5, "tid": 2},
+        launch(311, 2, 9),
+    ]
+    kernels = [({"name": "elementwise_kernel", "dur": 1000 * (n + 1), "args": {"correlation": c}}, "other")
+               for n, c in enumerate((7, 8, 9))]  # fmt: skip
+    assert [row["caller"] for row in bench.by_caller(events, kernels)] == [
+        "FSDP::post_backward_reduce [other: elementwise_kernel]",
+        "MulBackward0 / aten::mul [other: elementwise_kernel]",
+        "Qwen3_5Attention / aten::mul [other: elementwise_kernel]",
+    ]
