@@ -210,11 +210,9 @@ def source_records(source: dict):  # (index, record) of a pass over it; a JSON l
         return
     from datasets import load_dataset  # imported here: a .jsonl file does not need it
 
-    if path.suffix in (".json", ".parquet"):
-        rows = load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
-    else:
-        rows = load_dataset(source["name"], split=source["split"], streaming=True, revision=source["revision"] or None)
-    yield from enumerate(rows)
+    file = {"path": path.suffix[1:], "data_files": str(path), "split": "train"}  # .json or .parquet, by its builder
+    hub = {"path": source["name"], "split": source["split"], "revision": source["revision"] or None}
+    yield from enumerate(load_dataset(**(file if path.suffix in (".json", ".parquet") else hub), streaming=True))
 
 
 def decoded(record):  # a record, a JSON line's decoded; None for a line that is not UTF-8 JSON
@@ -689,11 +687,14 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     return model
 
 
-class OneRankReduce:  # FSDP's reduce-scatter on one rank, where FSDP copies its input (the gradients in reduce_dtype)
-    def allocate(self, size, *, dtype, device) -> torch.Tensor:  # into an output it asks for next: 10 GB a step at the
-        held = sys._getframe(1).f_locals.get("reduce_scatter_input")  # geometry's backward end. Asked while FSDP holds
-        same = held is not None and held.shape == torch.Size(size) and held.dtype == dtype  # its input, it returns that
-        return held if same else torch.empty(size, dtype=dtype, device=device)  # input, and copy_ skips a self-copy
+class OneRankReduce:  # FSDP's reduce-scatter on one rank, where FSDP copies its input (all gradients: 22 GB a step in
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:  # the 8-layer geometry) into an output it asks for.
+        held = None if "reduce_output" in (caller := sys._getframe(1).f_locals) else caller.get("reduce_scatter_input")
+        if held is None or held.shape != torch.Size(size) or held.dtype != dtype:  # Asked by FSDP's foreach_reduce with
+            return torch.empty(size, dtype=dtype, device=device)  # its input bound and its output not, this returns
+        if held.is_cuda:  # that input (copy_ skips a copy onto itself), which FSDP may cast or add to the gradients on
+            held.record_stream(torch.cuda.current_stream())  # its own stream after letting it go
+        return held
 
 
 def compile_elementwise(layers) -> None:  # norms and MLPs (docs/BENCHMARKS.md); fla's and conv1d's kernels stay eager
@@ -1811,12 +1812,11 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         retries = alloc_retries() if self.d.device.type == "cuda" else 0  # one rank's stall (data, allocator) is all's
         stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
         now, c, step, ranks, u = time.perf_counter(), self.window, job.progress.step, self.d.world_size, self.device
-        seconds, capacity = now - self.since, c["blocks"] * self.cfg.max_seq_len
-        r = {"step": step, "total_steps": job.total_steps, "loss": loss}
-        r |= {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s_per_gpu": c["tokens"] / seconds / ranks}
-        r |= {"loss_tokens_per_s_per_gpu": c["loss_tokens"] / seconds / ranks}
+        seconds, capacity, gpu_s = now - self.since, c["blocks"] * self.cfg.max_seq_len, (now - self.since) * ranks
+        r = {"step": step, "total_steps": job.total_steps, "loss": loss, "lr": self.lr, "grad_norm": self.grad_norm}
+        r |= {"tokens_per_s_per_gpu": c["tokens"] / gpu_s, "loss_tokens_per_s_per_gpu": c["loss_tokens"] / gpu_s}
         r |= {"non_padding_fraction": c["tokens"] / capacity, "loss_token_fraction": c["loss_tokens"] / capacity}
-        r |= {"mfu": c["flops"] / seconds / ranks / self.peak if self.peak else None}
+        r |= {"mfu": c["flops"] / gpu_s / self.peak if self.peak else None}
         r |= {"memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.d.device.type == "cuda" else rss_gib()}
         r |= {"data_wait_s": float(stalls[0]), "alloc_retries": int(stalls[1])}  # most on a rank; retries since start
         r |= {"eta_s": (job.total_steps - step) * seconds / c["steps"], "skipped_records": int(skips[0])}

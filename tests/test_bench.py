@@ -76,7 +76,8 @@ def test_logsteps_weights_each_step_by_its_seconds_from_both_recipes_lines(tmp_p
 def test_profile_names_each_kernels_module_or_autograd_node_and_fsdps_label_first():
     """bench.py profile's callers: a kernel launched in a forward is named by the innermost module around its launch
     (with_stack's nn.Module ranges, BENCH_PROFILE_STACK=1), one in the backward by the autograd node it runs for, and
-    one inside FSDP's labels by the label alone; each with the op that launched it."""
+    one inside FSDP's labels (within an autograd node's range, as its post-backward runs) by the label alone; each
+    with the op that launched it."""
     import bench
 
     def launch(ts, tid, correlation):
@@ -91,6 +92,7 @@ def test_profile_names_each_kernels_module_or_autograd_node_and_fsdps_label_firs
         {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: MulBackward0", "ts": 200, "dur": 50, "tid": 2},
         {"cat": "cpu_op", "name": "aten::mul", "ts": 210, "dur": 5, "tid": 2},
         launch(211, 2, 8),
+        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: PostBackward", "ts": 290, "dur": 70, "tid": 2},
         {"cat": "user_annotation", "name": "FSDP::post_backward_reduce", "ts": 300, "dur": 50, "tid": 2},
         {"cat": "cpu_op", "name": "aten::copy_", "ts": 310, "dur": 5, "tid": 2},
         launch(311, 2, 9),

@@ -576,3 +576,37 @@ def test_the_host_queues_the_next_step_while_the_gpu_runs_adamw(tmp_path, tokeni
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     report("host_ahead_of_adamw", busy=result["busy"])
     assert result["steps"] == 6 and result["busy"][1:] == [True] * 5, result
+
+
+ONE_RANK_RUN = """
+import json, sys
+import torch
+import train
+
+streams, record_stream = [], torch.Tensor.record_stream
+
+def recorded(self, stream):  # OneRankReduce's calls: on which stream FSDP may still read the buffer it hands back
+    if sys._getframe(1).f_code.co_name == "allocate":
+        streams.append(stream != torch.cuda.default_stream(self.device))
+    return record_stream(self, stream)
+
+torch.Tensor.record_stream = recorded
+result = train.train(sys.argv[1])
+print("RESULT " + json.dumps({**result, "streams": streams}))
+"""
+
+
+@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
+def test_one_rank_reduce_marks_its_buffer_as_used_on_fsdps_reduce_stream(tmp_path, tokenizer, master_dtype):
+    """On one GPU FSDP adds a block's gradients to the last block's (gradient accumulation), or casts them to bf16
+    weights' dtype, on its reduce stream after it has let go of the buffer OneRankReduce handed back as its output:
+    the buffer is marked as used on that stream (record_stream), so that the allocator does not give it to the compute
+    stream before those kernels ran. Each of the 3 modules' reduces, at each of 2 blocks of 3 steps, marks it on a
+    stream other than the default one, and the run's loss is finite (train.train on a tiny dense model)."""
+    config = dense_config(-(-len(tokenizer) // 64) * 64)
+    settings = dict(max_steps=3, gradient_accumulation_steps=2, activation_checkpointing="0", master_dtype=master_dtype)
+    proc = train_in_a_new_process(tmp_path, ONE_RANK_RUN, config, tokenizer, **settings)
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    report("one_rank_reduce_streams", master_dtype=master_dtype, marked=len(result["streams"]))
+    assert result["steps"] == 3 and math.isfinite(result["final_loss"]), result
+    assert result["streams"] == [True] * (3 * 2 * 3), result["streams"]  # (2 layers + the root) x 2 blocks x 3 steps

@@ -434,14 +434,16 @@ def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_mod
     assert all(a.equal(b) for a, b in zip(kept[1] + kept[2], away[1] + away[2]))
 
 
+@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
 def test_one_rank_reduce_makes_fsdps_copy_of_the_gradients_a_copy_onto_itself(
-    tiny_model_dir, examples, world_of_one, monkeypatch
+    tiny_model_dir, examples, world_of_one, monkeypatch, master_dtype
 ):
     """On one rank FSDP "reduces" a module's gradients by copying its input buffer (them, cast to reduce_dtype) into an
     output buffer it asks its reduce-scatter for; build_model's OneRankReduce answers with the input itself. Over two
     blocks (the second's gradients added to the first's), each reduce's copy is of a tensor onto itself, which
-    copy_ skips (with FSDP's own fresh buffers, none is), and the gradients equal those of FSDP's own buffers."""
-    cfg = train.Config(model_name=str(tiny_model_dir), compile=False)
+    copy_ skips (with FSDP's own fresh buffers, none is), and the gradients equal those of FSDP's own buffers: fp32
+    weights' gradients are views of that buffer; bf16 weights' are cast from it."""
+    cfg = train.Config(model_name=str(tiny_model_dir), compile=False, master_dtype=master_dtype)
     blocks = [train.make_block([example], len(example[0]), 0) for example in examples[:2]]
     copies, copy_ = [], torch.Tensor.copy_
 
@@ -472,7 +474,26 @@ def test_one_rank_reduce_makes_fsdps_copy_of_the_gradients_a_copy_onto_itself(
     assert onto_itself == {"OneRankReduce": 2 * len(modules), "fresh": 0}  # each module's reduce, at each block
     assert grads["fresh"].keys() == grads["OneRankReduce"].keys() and len(grads["fresh"]) > 10
     assert all(grads["fresh"][n].equal(grads["OneRankReduce"][n]) for n in grads["fresh"])
-    assert all(g.abs().sum() > 0 for g in grads["fresh"].values())
+    assert all(g.abs().sum() > 0 and g.dtype == getattr(torch, master_dtype) for g in grads["fresh"].values())
+
+
+def test_one_rank_reduce_returns_the_input_only_to_fsdps_request_for_its_output():
+    """OneRankReduce reads its caller's frame: it returns the caller's reduce_scatter_input only while the caller has
+    not bound a reduce_output yet and asks for a buffer of the input's shape and dtype; otherwise a new buffer."""
+    comm, cpu = train.OneRankReduce(), torch.device("cpu")
+
+    def foreach_reduce_like():  # foreach_reduce's names and order, and a third request after the output
+        reduce_scatter_input = comm.allocate((6,), dtype=torch.float32, device=cpu)
+        other_size = comm.allocate((3,), dtype=torch.float32, device=cpu)
+        other_dtype = comm.allocate((6,), dtype=torch.bfloat16, device=cpu)
+        reduce_output = comm.allocate((6,), dtype=torch.float32, device=cpu)
+        after_output = comm.allocate((6,), dtype=torch.float32, device=cpu)
+        return reduce_scatter_input, other_size, other_dtype, reduce_output, after_output
+
+    given, other_size, other_dtype, output, after_output = foreach_reduce_like()
+    assert output is given
+    assert all(t is not given for t in (other_size, other_dtype, after_output))
+    assert comm.allocate((6,), dtype=torch.float32, device=cpu) is not given  # a caller without FSDP's names
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
