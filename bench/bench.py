@@ -801,6 +801,26 @@ def trl_notes(run: Path) -> dict:
     return out
 
 
+def means_of_repeats(runs: list) -> list:
+    """For each kind and variant run more than once at one GPU count, geometry and block length (BENCH_REPEAT): the
+    mean tok/s/GPU over its runs that finished, and for ours the ratio of that mean to the seed's mean there."""
+    groups = {}
+    for r in runs:
+        if r.get("tok_s_gpu") and not r.get("error"):
+            key = (r["kind"], r["variant"], r["gpus"], r["layers"], r["seq_len"])
+            groups.setdefault(key, []).append(r["tok_s_gpu"])
+    means = []
+    for (kind, variant, gpus, layers, seq_len), rates in groups.items():
+        if len(rates) > 1:
+            seed = groups.get(("seed", "seed", gpus, layers, seq_len))
+            row = {"kind": kind, "variant": variant, "gpus": gpus, "layers": layers, "seq_len": seq_len}
+            row |= {"runs": len(rates), "tok_s_gpu": sum(rates) / len(rates), "tok_s_gpu_each": rates}
+            if kind == "ours" and seed:
+                row["over_seed"] = row["tok_s_gpu"] / (sum(seed) / len(seed))
+            means.append(row)
+    return means
+
+
 def cmd_summary(args) -> None:
     work = Path(args.work)
     runs = []
@@ -882,6 +902,14 @@ def cmd_summary(args) -> None:
                 f"ratio trl/{b}, {where}: tok/s/GPU x{r['tok_s_gpu_ratio']:.2f} (non-padding tokens), "
                 f"{b}/trl x{1 / r['tok_s_gpu_ratio']:.2f}; peak GiB trl/{b.split()[0]} {peaks}"
             )
+    means = means_of_repeats(runs)
+    for m in means:
+        where = f"{m['gpus']} GPU(s), {m['layers']} layers, {m['seq_len']} tokens"
+        rates = ", ".join(f"{v:,.0f}" for v in m["tok_s_gpu_each"])
+        what = f"mean of {m['runs']} runs, {m['kind']} ({m['variant']}), {where}"
+        print(f"{what}: {m['tok_s_gpu']:,.0f} tok/s/GPU ({rates})")
+        if m.get("over_seed"):
+            print(f"ratio of means ours ({m['variant']})/seed, {where}: tok/s/GPU x{m['over_seed']:.3f}")
     for r in runs:
         if r.get("stalls"):
             steps = ", ".join(f"step {step} ({dt:.1f} s)" for step, dt in r["stalls"])
@@ -898,7 +926,7 @@ def cmd_summary(args) -> None:
             f"flops {layers} layers: 6N = {f['flops_per_token_6N'] / 1e9:.2f} GFLOP/token; Gated DeltaNet recurrence "
             f"{f['gdn_flops_per_token'] / 1e6:.1f} MFLOP/token = {f['gdn_fraction_of_6N']:.2%} of 6N (left out)"
         )
-    summary = {"runs": runs, "ratios": ratios, "flops": {str(k): v for k, v in flops.items()}}
+    summary = {"runs": runs, "ratios": ratios, "means": means, "flops": {str(k): v for k, v in flops.items()}}
     (work / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -16,7 +16,9 @@
 # (the name the summary gives those settings, default "default"),
 # BENCH_TIMEOUT (seconds per run, 300), BENCH_ATTN (torch_varlen), BENCH_SUMMARY (also write the summary JSON there),
 # BENCH_NO_SUMMARY (set: print no summary, for scripts that run several cases), BENCH_TRL_ARGS (extra
-# `trl_peer.py run` arguments, e.g. "--attn sdpa") and BENCH_TRL_VARIANT (their name in the summary, default "trl").
+# `trl_peer.py run` arguments, e.g. "--attn sdpa"), BENCH_TRL_VARIANT (their name in the summary, default "trl") and
+# BENCH_REPEAT (run the kinds in turn this many times, default 1: the summary then gives each one's mean as well, since
+# one machine's runs of the seed alone differ by a few percent; the repeats' directories end in _r2, _r3, ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NGPU=$1 LAYERS=$2 SEQS=$3 STEPS=$4
@@ -33,10 +35,11 @@ export PYTHONUNBUFFERED=1
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 for SEQ in $SEQS; do
   SEED_RC=1
+  for REPEAT in $(seq "${BENCH_REPEAT:-1}"); do  # the kinds in turn, again: ours, seed, ours, seed, ...
   for KIND in ${BENCH_KINDS:-ours seed}; do
     VARIANT=${BENCH_VARIANT:-default}
     case $KIND in seed) VARIANT=seed ;; trl) VARIANT=${BENCH_TRL_VARIANT:-trl} ;; esac
-    RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}
+    RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}$([ "$REPEAT" -gt 1 ] && echo "_r$REPEAT")
     rm -rf "$RUN" && mkdir -p "$RUN"
     echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
     LAUNCH=$(date +%s.%N)
@@ -61,6 +64,7 @@ for SEQ in $SEQS; do
     fi
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" "$VARIANT" \
       >> "$W/runs.tsv"
+  done
   done
   [ "$SEED_RC" = 0 ] && break
 done

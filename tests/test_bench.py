@@ -104,3 +104,22 @@ def test_profile_names_each_kernels_module_or_autograd_node_and_fsdps_label_firs
         "MulBackward0 / aten::mul [other: elementwise_kernel]",
         "Qwen3_5Attention / aten::mul [other: elementwise_kernel]",
     ]
+
+
+def test_summary_means_each_repeated_kind_and_divides_ours_mean_by_the_seeds():
+    """bench.py summary with BENCH_REPEAT: the runs of one kind and variant at one GPU count, geometry and block length
+    are averaged (a run that failed left out), and ours' mean is divided by the seed's mean there; a kind run once,
+    or at another block length, gets no mean."""
+    import bench
+
+    def run(kind, rate, seq_len=16384, **extra):
+        variant = "seed" if kind == "seed" else "default"
+        return {"kind": kind, "variant": variant, "gpus": 1, "layers": 8, "seq_len": seq_len, "tok_s_gpu": rate} | extra
+
+    runs = [run("ours", 22000.0), run("seed", 15000.0), run("ours", 22400.0), run("seed", 14800.0)]
+    runs += [run("ours", 1.0, error="exit status 1"), run("ours", 9000.0, seq_len=32768)]
+    means = {m["kind"]: m for m in bench.means_of_repeats(runs)}
+    assert means.keys() == {"ours", "seed"}
+    assert means["ours"]["runs"] == 2 and means["ours"]["tok_s_gpu"] == 22200.0
+    assert means["seed"]["tok_s_gpu"] == 14900.0
+    assert means["ours"]["over_seed"] == 22200.0 / 14900.0 and "over_seed" not in means["seed"]
