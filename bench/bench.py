@@ -321,13 +321,16 @@ def summarise_trace(events: list, wall_ms: float, shown: int = 15) -> dict:
     return summary
 
 
+MODULE = "nn.Module: "  # the name's prefix of a module's range in a with_stack trace (BENCH_PROFILE_STACK=1)
+
+
 def launch_ranges(events: list) -> dict:
     """Each launch's correlation id -> the names of the host ranges around it (record_function labels such as FSDP's,
     and ops), outermost first: a sweep over each thread's ranges and launches in time order. Launches are CUDA
     runtime calls (PyTorch's kernels, copies) and driver calls (Triton's: fla's and Inductor's kernels)."""
     by_thread, around = {}, {}
     for e in events:
-        module = e.get("cat") == "python_function" and e.get("name", "").startswith("nn.Module: ")  # with_stack
+        module = e.get("cat") == "python_function" and e.get("name", "").startswith(MODULE)
         if (module or e.get("cat") in ("cpu_op", "user_annotation")) and "dur" in e:
             by_thread.setdefault(e["tid"], []).append((e["ts"], 0, -e["dur"], e))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
@@ -352,9 +355,9 @@ def by_caller(events: list, kernels: list) -> list:
     around, rows = launch_ranges(events), {}
     for kernel, kind in kernels:
         names = around.get(kernel.get("args", {}).get("correlation"), [])
-        ops = [n for n in names if not n.startswith("nn.Module: ")]
+        ops = [n for n in names if not n.startswith(MODULE)]
         label = next((n for n in reversed(names) if n.startswith("FSDP")), ops[-1] if ops else "?")
-        where = [re.sub(r"_\d+$", "", n[11:]) for n in names if n.startswith("nn.Module: ")][-1:]
+        where = [re.sub(r"_\d+$", "", n.removeprefix(MODULE)) for n in names if n.startswith(MODULE)][-1:]
         where += [n.split(": ")[-1] for n in ops if n.startswith("autograd::engine::evaluate_function")][:1]
         label = f"{where[0]} / {label}" if where and not label.startswith("FSDP") else label
         key = f"{label} [{kind}: {kernel['name'][:40]}]"

@@ -36,35 +36,35 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 for SEQ in $SEQS; do
   SEED_RC=1
   for REPEAT in $(seq "${BENCH_REPEAT:-1}"); do  # the kinds in turn, again: ours, seed, ours, seed, ...
-  for KIND in ${BENCH_KINDS:-ours seed}; do
-    VARIANT=${BENCH_VARIANT:-default}
-    case $KIND in seed) VARIANT=seed ;; trl) VARIANT=${BENCH_TRL_VARIANT:-trl} ;; esac
-    RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}$([ "$REPEAT" -gt 1 ] && echo "_r$REPEAT")
-    rm -rf "$RUN" && mkdir -p "$RUN"
-    echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
-    LAUNCH=$(date +%s.%N)
-    if [ "$KIND" = ours ]; then
-      timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
-        --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
-        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_OURS_ARGS:-} 2>&1 | tee "$RUN/log.txt"
-      RC=${PIPESTATUS[0]}
-    elif [ "$KIND" = trl ]; then
-      # One GPU: one process, as TRL is run there; several: torchrun, Trainer's DDP.
-      if [ "$NGPU" = 1 ]; then LAUNCHER=(python3); else LAUNCHER=(torchrun --standalone --nproc_per_node="$NGPU"); fi
-      timeout "${BENCH_TIMEOUT:-300}" "${LAUNCHER[@]}" bench/trl_peer.py run \
-        --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
-        --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$RUN/log.txt"
-      RC=${PIPESTATUS[0]}
-    else
-      BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
-        BENCH_MAX_STEPS=$STEPS BENCH_WARMUP=2 timeout "${BENCH_TIMEOUT:-300}" \
-        torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py seed bench/baseline/seed_train.py 2>&1 | tee "$RUN/log.txt"
-      RC=${PIPESTATUS[0]}
-      SEED_RC=$RC
-    fi
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" "$VARIANT" \
-      >> "$W/runs.tsv"
-  done
+    for KIND in ${BENCH_KINDS:-ours seed}; do
+      VARIANT=${BENCH_VARIANT:-default}
+      case $KIND in seed) VARIANT=seed ;; trl) VARIANT=${BENCH_TRL_VARIANT:-trl} ;; esac
+      RUN=$W/${KIND}_${VARIANT}_g${NGPU}_l${LAYERS}_s${SEQ}$([ "$REPEAT" -gt 1 ] && echo "_r$REPEAT")
+      rm -rf "$RUN" && mkdir -p "$RUN"
+      echo "=== $KIND: $NGPU GPU(s), $LAYERS layers, $SEQ-token blocks, $STEPS steps ($(date -u +%FT%TZ))"
+      LAUNCH=$(date +%s.%N)
+      if [ "$KIND" = ours ]; then
+        timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py ours \
+          --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
+          --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_OURS_ARGS:-} 2>&1 | tee "$RUN/log.txt"
+        RC=${PIPESTATUS[0]}
+      elif [ "$KIND" = trl ]; then
+        # One GPU: one process, as TRL is run there; several: torchrun, Trainer's DDP.
+        if [ "$NGPU" = 1 ]; then LAUNCHER=(python3); else LAUNCHER=(torchrun --standalone --nproc_per_node="$NGPU"); fi
+        timeout "${BENCH_TIMEOUT:-300}" "${LAUNCHER[@]}" bench/trl_peer.py run \
+          --model-config "$CFG" --tokenizer "$A/tok" --data "$DATA" --seq-len "$SEQ" --steps "$STEPS" \
+          --attn "${BENCH_ATTN:-torch_varlen}" --out "$RUN" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$RUN/log.txt"
+        RC=${PIPESTATUS[0]}
+      else
+        BENCH_MODEL_CONFIG=$CFG BENCH_TOKENIZER=$A/tok BENCH_DATA=$DATA BENCH_SEQ_LEN=$SEQ BENCH_ATTN=${BENCH_ATTN:-torch_varlen} \
+          BENCH_MAX_STEPS=$STEPS BENCH_WARMUP=2 timeout "${BENCH_TIMEOUT:-300}" \
+          torchrun --standalone --nproc_per_node="$NGPU" bench/bench.py seed bench/baseline/seed_train.py 2>&1 | tee "$RUN/log.txt"
+        RC=${PIPESTATUS[0]}
+        SEED_RC=$RC
+      fi
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$KIND" "$NGPU" "$LAYERS" "$SEQ" "$RUN" "$LAUNCH" "$RC" "$VARIANT" \
+        >> "$W/runs.tsv"
+    done
   done
   [ "$SEED_RC" = 0 ] && break
 done
