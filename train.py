@@ -654,9 +654,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     dtype, remote_code = getattr(torch, cfg.master_dtype), cfg.trust_remote_code
     with torch.device("meta"):
         model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
-    trained = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
-    for p in model.parameters():  # only the decoder and LM head train; a VLM's vision tower is frozen
-        p.requires_grad_(id(p) in trained)  # (exported): no gradient, no state to resume
+    model.requires_grad_(False).get_decoder().requires_grad_(True)  # only the decoder and LM head train; a VLM's
+    model.get_output_embeddings().requires_grad_(True)  # vision tower is frozen (exported): no gradient, no state
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
     layers, share = model.get_decoder().layers, recompute_share(cfg.activation_checkpointing)
@@ -675,8 +674,9 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         model.compiled_softmax_gradient = torch.compile(softmax_gradient, dynamic=True)  # chunks of any length
     mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype))  # param, reduce
-    for module in [*layers, model]:  # each decoder layer, then the root
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+    towers = [m for m in model.model.children() if {p.requires_grad for p in m.parameters()} == {False}]  # frozen
+    for module in [*layers, *towers, model]:  # each decoder layer, each frozen tower (never called: never gathered;
+        fully_shard(module, mesh=mesh, mp_policy=policy)  # in the root's unit, every step's forward would), the root
         if mesh.size() == 1:  # FSDP's reduce on one rank copies the gradients: OneRankReduce makes it no copy
             module.set_custom_reduce_scatter(OneRankReduce())
     model.to_empty(device=device)

@@ -496,6 +496,30 @@ def test_one_rank_reduce_returns_the_input_only_to_fsdps_request_for_its_output(
     assert comm.allocate((6,), dtype=torch.float32, device=cpu) is not given  # a caller without FSDP's names
 
 
+def test_a_frozen_vision_tower_is_a_unit_of_its_own_that_training_never_gathers(world_of_one, tmp_path):
+    """FSDP gathers a unit's parameters before the unit's forward. A VLM's vision tower, frozen and never called in text
+    SFT, is a unit of its own (build_model): it stays sharded through forward and backward, while the root's unit
+    gathers the embedding, the final norm and the LM head. In the root's unit, every step would gather it too."""
+    from make_tiny_model import write_tiny_model
+
+    source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
+    cfg = train.Config(model_name=str(source), compile=False)
+    model = train.build_model(train.model_config(source), cfg, "sdpa", world_of_one.device)
+    tower = {n for n, p in model.named_parameters() if n.startswith("model.visual.")}
+    assert tower and {n for n, p in model.named_parameters() if not p.requires_grad} == tower
+    gathered = []  # the names of the parameters not sharded (not DTensors) when the decoder's forward begins
+
+    def record(module, args):
+        gathered.append({n for n, p in model.named_parameters() if not isinstance(p, DTensor)})
+
+    model.get_decoder().register_forward_pre_hook(record)
+    ids = torch.arange(3, 40)[None]
+    model(input_ids=ids, labels=ids).loss.backward()  # one sequence: no packed signals, no kernels needed
+    root = {"model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"}
+    assert gathered == [root]
+    assert all(isinstance(p, DTensor) and p.grad is None for n, p in model.named_parameters() if n in tower)
+
+
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
 def test_train_step_clips_the_gradients_as_clip_grad_norm_does(tiny_model_dir, examples, world_of_one, max_grad_norm):
     """train_step leaves the clipping to fused AdamW (its grad_scale divides each gradient as it is read): each of
