@@ -10,6 +10,11 @@ choose the next lever before it goes into train.py. docs/BENCHMARKS.md has what 
   head --seq-len N --loss-fraction F
       the LM head and its loss on F * N loss tokens (the geometry's 248,320 x 5,120 head): train.HeadLoss with
       train.softmax_gradient eager and compiled (as build_model compiles it), time and peak
+  softmax --rows N
+      train.softmax_gradient on one chunk of N rows of the geometry's 248,320-entry logits (bf16), compiled as
+      build_model compiles it, against a form through log_softmax (one online max-and-sum pass, then the write),
+      each also with Inductor's coordinate-descent tuning: compile time, ms, TB/s over two reads and one write of
+      the logits, and the largest difference from the eager fp32 computation
   adamw --model-config DIR
       one optimizer step over tensors of the geometry's trained parameters (fp32, on the GPU): clip_grad_norm_ then
       fused AdamW, against the norm alone with the clipping folded into fused AdamW's grad_scale
@@ -135,6 +140,40 @@ def cmd_head(args) -> None:
             print("bench head:", json.dumps(row), flush=True)
 
 
+def softmax_gradient_via_log_softmax(logits: torch.Tensor, targets: torch.Tensor):  # the candidate form
+    log_p = logits.float().log_softmax(dim=1)
+    p, hit = log_p.exp(), torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+    return -log_p.gather(1, targets[:, None]).squeeze(1), torch.where(hit, p - 1, p).to(logits.dtype)
+
+
+def cmd_softmax(args) -> None:
+    torch.manual_seed(0)
+    logits = (torch.randn(args.rows, 248320, device="cuda") * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 248320, (args.rows,), device="cuda")
+    ref_loss, ref_grad = train.softmax_gradient(logits, targets)  # eager: fp32 throughout, then the bf16 cast
+    for name, fn in (("recipe", train.softmax_gradient), ("log_softmax", softmax_gradient_via_log_softmax)):
+        for tuned in (False, True):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, dynamic=True, options={"coordinate_descent_tuning": tuned})
+            t0 = time.perf_counter()
+            compiled(logits, targets)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            (loss, grad), ms, peak = timed(partial(compiled, logits, targets), repeat=10)
+            row = {
+                "form": name,
+                "coordinate_descent_tuning": tuned,
+                "rows": args.rows,
+                "compile_s": round(compile_s, 1),
+                "ms": round(ms, 3),
+                "tb_per_s_3_passes": round(3 * logits.numel() * 2 / ms / 1e9, 2),
+                "peak_gib": round(peak / 2**30, 2),
+                "max_loss_diff": (loss - ref_loss).abs().max().item(),
+                "max_grad_diff": (grad.float() - ref_grad.float()).abs().max().item(),
+            }
+            print("bench softmax:", json.dumps(row), flush=True)
+
+
 class _Ctx:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
@@ -201,11 +240,13 @@ def main() -> None:
     p = sub.add_parser("head")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--loss-fraction", type=float, default=0.62)
+    p = sub.add_parser("softmax")
+    p.add_argument("--rows", type=int, default=4096)
     p = sub.add_parser("adamw")
     p.add_argument("--model-config", required=True)
     args = parser.parse_args()
     t0 = time.perf_counter()
-    {"sublayers": cmd_sublayers, "head": cmd_head, "adamw": cmd_adamw}[args.cmd](args)
+    {"sublayers": cmd_sublayers, "head": cmd_head, "softmax": cmd_softmax, "adamw": cmd_adamw}[args.cmd](args)
     print(f"bench {args.cmd}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
