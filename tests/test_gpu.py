@@ -586,8 +586,9 @@ import train
 streams, record_stream = [], torch.Tensor.record_stream
 
 def recorded(self, stream):  # OneRankReduce's calls: on which stream FSDP may still read the buffer it hands back
-    if sys._getframe(1).f_code.co_name == "allocate":
-        streams.append(stream != torch.cuda.default_stream(self.device))
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "allocate":  # called by FSDP's foreach_reduce, which names its reduce stream
+        streams.append(stream == caller.f_back.f_locals["reduce_scatter_stream"] != torch.cuda.default_stream())
     return record_stream(self, stream)
 
 torch.Tensor.record_stream = recorded
@@ -601,8 +602,9 @@ def test_one_rank_reduce_marks_its_buffer_as_used_on_fsdps_reduce_stream(tmp_pat
     """On one GPU FSDP adds a block's gradients to the last block's (gradient accumulation), or casts them to bf16
     weights' dtype, on its reduce stream after it has let go of the buffer OneRankReduce handed back as its output:
     the buffer is marked as used on that stream (record_stream), so that the allocator does not give it to the compute
-    stream before those kernels ran. Each of the 3 modules' reduces, at each of 2 blocks of 3 steps, marks it on a
-    stream other than the default one, and the run's loss is finite (train.train on a tiny dense model)."""
+    stream before those kernels ran. Each of the 3 modules' reduces, at each of 2 blocks of 3 steps, marks it on
+    FSDP's reduce stream (foreach_reduce's reduce_scatter_stream, not the default stream), and the run's loss is
+    finite (train.train on a tiny dense model)."""
     config = dense_config(-(-len(tokenizer) // 64) * 64)
     settings = dict(max_steps=3, gradient_accumulation_steps=2, activation_checkpointing="0", master_dtype=master_dtype)
     proc = train_in_a_new_process(tmp_path, ONE_RANK_RUN, config, tokenizer, **settings)
