@@ -646,7 +646,7 @@ def recompute_share(value: str) -> float | None:
 
 
 def build_model(config, cfg: Config, attn: str, device: torch.device):
-    """The model on the meta device, activation checkpointing, fully_shard per layer then the root, shards allocated."""
+    """The model on meta, activation checkpointing, fully_shard per layer, frozen tower, the root; shards allocated."""
     import transformers
 
     image_text = type(config) in transformers.AutoModelForImageTextToText._model_mapping
