@@ -7,7 +7,7 @@ Default job: Qwen/Qwen3.8-27B (qwen3_5: Gated DeltaNet layers, gated attention e
 Part I, the recipe, in the order it runs: settings (one dataclass; $HYPERPARAMETERS_PATH, --config FILE and
 --key value override it) -> distributed setup -> data (this rank's shard, chat template, assistant-only loss mask,
 whole conversations packed into blocks with the signals that keep them apart) -> model (meta device, activation
-checkpointing, fully_shard per decoder layer then the root, each rank reading its own slices of the checkpoint) ->
+checkpointing, fully_shard per decoder layer, frozen tower, the root; each rank reads its slices of the checkpoint) ->
 loss, optimizer and step (the token mean over all ranks) -> the loop -> run(), train(config), main().
 Part II, operations: parsing, checks, counting, checkpoints, the recompute probe, metrics, eval, lock, SIGTERM, export.
 

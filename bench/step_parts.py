@@ -12,7 +12,7 @@ choose the next lever before it goes into train.py. docs/BENCHMARKS.md has what 
       train.softmax_gradient eager and compiled (as build_model compiles it), time and peak
   softmax --rows N
       train.softmax_gradient on one chunk of N rows of the geometry's 248,320-entry logits (bf16), compiled as
-      build_model compiles it, against a form through log_softmax (one online max-and-sum pass, then the write),
+      build_model compiles it, against a form through log_softmax (a max-and-sum pass, then the write),
       each also with Inductor's coordinate-descent tuning: compile time, ms, TB/s over two reads and one write of
       the logits, and the largest difference from the eager fp32 computation
   adamw --model-config DIR
