@@ -496,11 +496,12 @@ def test_one_rank_reduce_returns_the_input_only_to_fsdps_request_for_its_output(
     assert comm.allocate((6,), dtype=torch.float32, device=cpu) is not given  # a caller without FSDP's names
 
 
-def test_a_frozen_vision_tower_is_a_unit_of_its_own_that_training_never_gathers(world_of_one, tmp_path):
+def test_a_frozen_vision_tower_is_a_unit_of_its_own_that_training_never_gathers(world_of_one, tmp_path, monkeypatch):
     """FSDP gathers a unit's parameters before the unit's forward. A VLM's vision tower, frozen and never called in text
-    SFT, is a unit of its own (build_model): it stays sharded through forward and backward, while the root's unit
-    gathers the embedding, the final norm and the LM head. In the root's unit, every step would gather it too."""
+    SFT, is a unit of its own (build_model): no unit holding it is gathered through forward and backward, while the
+    root's unit gathers the embedding, the final norm and the LM head. In the root's unit, each step would gather it."""
     from make_tiny_model import write_tiny_model
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
     cfg = train.Config(model_name=str(source), compile=False)
@@ -513,10 +514,18 @@ def test_a_frozen_vision_tower_is_a_unit_of_its_own_that_training_never_gathers(
         gathered.append({n for n, p in model.named_parameters() if not isinstance(p, DTensor)})
 
     model.get_decoder().register_forward_pre_hook(record)
+    owners, unshard = [], FSDPParamGroup.unshard  # for each unit gathered, the modules owning its parameters
+
+    def recorded_unshard(group, *args, **kwargs):
+        owners.append({fsdp_param._module_info.module for fsdp_param in group.fsdp_params})
+        return unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", recorded_unshard)
     ids = torch.arange(3, 40)[None]
     model(input_ids=ids, labels=ids).loss.backward()  # one sequence: no packed signals, no kernels needed
     root = {"model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight"}
     assert gathered == [root]
+    assert len(owners) > 2 and not any(owned & set(model.model.visual.modules()) for owned in owners)
     assert all(isinstance(p, DTensor) and p.grad is None for n, p in model.named_parameters() if n in tower)
 
 
