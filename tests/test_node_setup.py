@@ -2,7 +2,8 @@
 tools/run_workload.py as a user's own machine runs it: the build-tool check, the pinned installs resolved by pip
 against the package index, the causal-conv1d sdist download and the patch that restricts its build to one GPU
 architecture. Only the compile and the final installs are left out; the whole setup ran end to end on an H200
-(docs/BENCHMARKS.md, "Node setup"). The pins are the same lines as requirements.txt's."""
+(docs/BENCHMARKS.md: "Node setup", for sm_90; the twenty-seventh round, through workload.yaml for a B300's sm_103).
+The pins are the same lines as requirements.txt's."""
 
 import os
 import re
