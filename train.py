@@ -1746,8 +1746,8 @@ def alloc_retries() -> int:
 
 
 # ---- Metrics, MLflow, eval, and hangs -----------------------------------------------------------------------------
-# Dense bf16 peak FLOP/s by device name, from NVIDIA's datasheets; MFU is shown only for these.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12}
+PEAK_BF16_FLOPS |= {"B200": 2250e12, "B300": 2250e12, "A100": 312e12}  # dense bf16 FLOP/s, NVIDIA's datasheets
 
 
 def matmul_params(model) -> int:  # the parameters costing 2 FLOPs per token forward
@@ -1776,7 +1776,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             self.mlflow = mlflow  # params cannot change: a resumed run logs only the ones its run does not have yet
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
-        self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)  # the first key it contains
         self.start = self.since = time.perf_counter()
         self.loss_sum, self.window, self.grad_norm = 0.0, Counter(), None
         if packing:

@@ -679,3 +679,25 @@ def test_train_step_clips_bf16_master_weights_too(tiny_model_dir, examples, worl
     stats = train.train_step(job, [train.make_block([examples[0]], len(examples[0][0]), 0)])
     assert stats.loss_sum is not None and stats.grad_norm > cfg.max_grad_norm
     assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "device_name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),  # SXM
+        ("NVIDIA H100 PCIe", 756e12),  # a PCIe or NVL card's name holds its SXM sibling's: its own key comes first
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA L40S", None),  # no peak known: no MFU rather than a wrong one
+    ],
+)
+def test_mfu_divides_by_the_peak_of_the_card_itself(device_name, peak, model, monkeypatch):
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: device_name)
+    on_a_gpu = train.Dist(0, 1, torch.device("cuda"), False, None, None)
+    assert train.MetricsLog(train.Config(), on_a_gpu, model).peak == peak
