@@ -123,3 +123,22 @@ def test_summary_means_each_repeated_kind_and_divides_ours_mean_by_the_seeds():
     assert means["ours"]["runs"] == 2 and means["ours"]["tok_s_gpu"] == 22200.0
     assert means["seed"]["tok_s_gpu"] == 14900.0
     assert means["ours"]["over_seed"] == 22200.0 / 14900.0 and "over_seed" not in means["seed"]
+
+
+def test_blas_libraries_times_each_linear_shape_of_the_geometry_as_often_as_a_step_runs_it():
+    """bench/blas_libraries.py sums each shape's time by its count in a step: its table must be the geometry's own
+    linear layers (a repeated dict key would silently drop a count: its first form timed the out-projections 2 times
+    a step instead of 8)."""
+    import blas_libraries
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(ROOT / "bench/configs/qwen3.8-27b-geometry-8layers")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    counts = {}
+    for module in model.get_decoder().layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.out_features, module.in_features)
+            counts[shape] = counts.get(shape, 0) + 1
+    assert blas_libraries.LINEAR_SHAPES == counts
+    assert (blas_libraries.VOCAB, blas_libraries.HIDDEN) == tuple(model.get_output_embeddings().weight.shape)
