@@ -11,6 +11,7 @@ the bench's 16k blocks hold about 10-12k loss tokens). docs/BENCHMARKS.md, twent
 
 import torch
 import torch.nn.functional as F
+from adamw_kernels import timed  # bench/: two warm-up runs, then CUDA events over the timed ones
 
 TOKENS, HEAD_ROWS, HIDDEN, VOCAB, HEAD_CHUNKS = 16384, 4096, 5120, 248320, 2.7
 LINEAR_SHAPES = {  # (out, in): how many in the 8 layers (6 Gated DeltaNet, 2 gated attention)
@@ -25,23 +26,10 @@ LINEAR_SHAPES = {  # (out, in): how many in the 8 layers (6 Gated DeltaNet, 2 ga
 }
 
 
-def timed_ms(fn, runs: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
-
-
 def linear_ms(out: int, inp: int) -> list[float]:  # forward, input gradient, weight gradient
     on = dict(device="cuda", dtype=torch.bfloat16)
     x, w, dy = torch.randn(TOKENS, inp, **on), torch.randn(out, inp, **on), torch.randn(TOKENS, out, **on)
-    return [timed_ms(fn, 20) for fn in (lambda: F.linear(x, w), lambda: dy @ w, lambda: dy.t() @ x)]
+    return [timed(fn, 20) for fn in (lambda: F.linear(x, w), lambda: dy @ w, lambda: dy.t() @ x)]
 
 
 def head_chunk_ms() -> list[float]:  # HeadLoss's chunk: the logits, then both gradients added into their buffers
@@ -53,7 +41,7 @@ def head_chunk_ms() -> list[float]:  # HeadLoss's chunk: the logits, then both g
     )
     grad_h, grad_w = torch.zeros_like(h), torch.zeros_like(head)
     gemms = (lambda: h @ head.T, lambda: grad_h.addmm_(g, head), lambda: grad_w.addmm_(g.T, h))
-    return [timed_ms(fn, 10) for fn in gemms]
+    return [timed(fn, 10) for fn in gemms]
 
 
 def main() -> None:
