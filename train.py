@@ -65,8 +65,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 # ==== PART I: THE RECIPE ==========================================================================================
 # ---- Settings ----------------------------------------------------------------------------------------------------
-class UserError(ValueError):
-    """A problem for the user to fix: main() prints one line and exits 2. Anything else is a bug."""
+class UserError(ValueError): ...  # the user's to fix: main() prints one line and exits 2. Anything else is a bug
 
 
 def setting(default, doc: str, resumable: bool = False):
@@ -245,8 +244,7 @@ def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int
         yield index, record, s
 
 
-class Skip(Exception):
-    """A record that cannot be trained on; its message, the reason, is counted."""
+class Skip(Exception): ...  # a record that cannot be trained on; its message, the reason, is counted
 
 
 def record_form(record, cfg: Config) -> str:  # data_format, or with auto the first form the keys fit
@@ -1050,7 +1048,11 @@ RANGES |= dict(learning_rate=(lambda v: 0 < v < math.inf, "> 0 and finite"), max
 def typed(field: dataclasses.Field, value, source: str):  # value as the field's type, or an error naming key and source
     want = type(field.default)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if field.name.endswith("revision"):  # its text may be lost: YAML reads 0123 as 83, 1.10 as 1.1
+            raise UserError(f"configuration key {field.name!r} (from {source}) reads as the number {value!r}: quote it")
         value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
+    if want is bool and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
+        value = value.lower() in ("true", "yes", "on")  # databricks air reads YAML 1.2: no, on... are strings there
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         with contextlib.suppress(ValueError):  # YAML reads 1e-5 as a string
             value = float(value)
@@ -1255,19 +1257,15 @@ def require_kernels(config) -> None:  # without them transformers refuses packed
         fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
-    if fla_refuses_hopper_backward():
+    import fla.ops.common.chunk_o as guard  # fla's first-backward guard: Hopper, Triton in [3.4, 3.7.1), no TileLang
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
+    if guarded and not CommonTileLangBackend.can_use():
         why = "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4,"
         why += " < 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead"
         fix = "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
         raise UserError(f"{why}: {fix}")
-
-
-def fla_refuses_hopper_backward() -> bool:  # fla's first-backward guard: Hopper, Triton in [3.4, 3.7.1), no TileLang
-    import fla.ops.common.chunk_o as guard
-    from fla.ops.common.backends.tilelang import CommonTileLangBackend
-
-    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
-    return guarded and not CommonTileLangBackend.can_use()
 
 
 def check_data(cfg: Config, part: str) -> None:  # a source missing, unreadable, empty or of no known form stops the run
@@ -1342,7 +1340,8 @@ def describe_model(model, cfg: Config, d: Dist, attn: str, total_steps: int, sec
     line += f"{launched_s_ago()}, peak host memory {rss_gib():.1f} GiB on rank 0\n"
     line += f"derived: world_size {d.world_size} | device {d.device.type} | steps {total_steps} | tokens per step "
     line += f"{cfg.gradient_accumulation_steps * d.world_size * cfg.max_seq_len:,} | torch {torch.__version__} | "
-    return f"{line}transformers {importlib.metadata.version('transformers')}"
+    warmup = "\nwarning: warmup_steps >= steps: lr stays below learning_rate" if cfg.warmup_steps >= total_steps else ""
+    return f"{line}transformers {importlib.metadata.version('transformers')}{warmup}"
 
 
 class CountedBlocks(PackedBlocks):  # the counting pass's stream: its blocks counted in its worker, its end handed over
@@ -1968,16 +1967,18 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
                 fix = f"use another output_dir, or remove {self.path} if that run is gone"
                 raise UserError(f"output_dir {self.path.parent} is in use by another run ({who}): {fix}")
             print(f"taking over the lock of a run that is gone: {holder}", flush=True)
-        tmp = self.path.with_name(f"run.lock.{self.me['run']}")
-        tmp.write_text(json.dumps(self.me))
+        (tmp := self.path.with_name(f"run.lock.{self.me['run']}")).write_text(json.dumps(self.me))
         os.replace(tmp, self.path)  # whole or not at all
         time.sleep(0.2)  # two runs that took the lock at once: the last write stays, the other refuses
         if json.loads(self.path.read_text()) != self.me:
             raise UserError(f"output_dir {self.path.parent} was just taken")
 
-    def refresh(self) -> None:
+    def refresh(self) -> None:  # a run frozen for minutes may find its lock taken over: it stops at once
         while not self.released.wait(30):
-            with contextlib.suppress(OSError):  # a file system hiccup: the next refresh may do
+            with contextlib.suppress(OSError, ValueError):  # a file system hiccup: the next refresh may do
+                if (holder := json.loads(self.path.read_text())) != self.me and not self.released.is_set():
+                    print(f"error: another run took over {self.path} ({holder}): exiting", file=sys.stderr)
+                    os._exit(1)  # before this run writes a checkpoint beside that run's
                 os.utime(self.path)
 
     def __exit__(self, *exc) -> None:
@@ -1995,8 +1996,7 @@ def pid_alive(pid: int) -> bool:
     return False
 
 
-class Interrupted(Exception):
-    """SIGTERM reached a rank: raised on all once the checkpoint is complete; main() exits 128 + SIGTERM."""
+class Interrupted(Exception): ...  # SIGTERM reached a rank: raised on all once its checkpoint is complete (exit 143)
 
 
 @contextlib.contextmanager

@@ -178,3 +178,26 @@ def test_auto_recompute_keeps_the_most_time_saved_per_byte_that_fits():
     assert train.parts_to_keep(sizes, seconds, room=100 * gib) == [1, 3, 2, 0]  # in that order
     assert train.parts_to_keep(sizes, seconds, room=-gib) == []  # the first step's peak already too close
     assert train.parts_to_keep(sizes, seconds, room=100 * gib, kept=[3, 2]) == [1, 0]  # beside those kept
+
+
+@pytest.mark.parametrize("text, value", [('"no"', False), ("'On'", True), ('"yes"', True), ('"FALSE"', False)])
+def test_a_boolean_written_as_yaml_1_1_words_is_read_from_a_string_too(tmp_path, monkeypatch, text, value):
+    """databricks air reads the workload YAML as YAML 1.2 (Go's yaml.v3), where no, off, yes and on are strings:
+    its parameters reach $HYPERPARAMETERS_PATH as strings, which a bool setting reads as YAML 1.1 would."""
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", f"async_save: {text}\nexport: {text}\n"))
+    cfg = train.parse_args([])[0]
+    assert cfg.async_save is value and cfg.export is value
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "q.yaml", 'async_save: "maybe"\n'))
+    with pytest.raises(ValueError, match="'async_save' \\(from HYPERPARAMETERS_PATH .*\\) must be bool, got 'maybe'"):
+        train.parse_args([])
+
+
+@pytest.mark.parametrize("text", ["0123456", "1.10", "1_000"])
+def test_a_revision_that_yaml_reads_as_a_number_is_refused_and_a_quoted_one_kept(tmp_path, monkeypatch, text):
+    """Unquoted, YAML reads 0123456 as an octal 42798, 1.10 as 1.1 and 1_000 as 1000: the text is gone."""
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", f"model_revision: {text}\n"))
+    with pytest.raises(ValueError, match="'model_revision' \\(from HYPERPARAMETERS_PATH .*\\) reads as the number"):
+        train.parse_args([])
+    monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", f'dataset_revision: "{text}"\n'))
+    assert train.parse_args([])[0].dataset_revision == text
+    assert train.parse_args(["--model_revision", text])[0].model_revision == text  # a flag's string stays a string

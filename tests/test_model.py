@@ -701,3 +701,12 @@ def test_mfu_divides_by_the_peak_of_the_card_itself(device_name, peak, model, mo
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: device_name)
     on_a_gpu = train.Dist(0, 1, torch.device("cuda"), False, None, None)
     assert train.MetricsLog(train.Config(), on_a_gpu, model).peak == peak
+
+
+@pytest.mark.parametrize("warmup_steps, total_steps, warned", [(10, 4, True), (4, 4, True), (3, 4, False)])
+def test_a_warmup_as_long_as_the_run_is_said_at_the_start(model, warmup_steps, total_steps, warned):
+    """lr_factor's warmup then never ends: the lr stays below learning_rate for the whole run."""
+    cfg, d = train.Config(warmup_steps=warmup_steps), train.Dist(0, 1, torch.device("cpu"), False, None, None)
+    described = train.describe_model(model, cfg, d, "sdpa", total_steps, seconds=1.0, measured=False)
+    assert described.startswith("model: ") and f"| steps {total_steps} |" in described
+    assert ("warning: warmup_steps >= steps: lr stays below learning_rate" in described) == warned

@@ -394,3 +394,37 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path, world_of_one, holder, age_s
     with train.RunLock(tmp_path / "out", world_of_one):
         assert json.loads((tmp_path / "out/run.lock").read_text())["pid"] == os.getpid()
     assert not (tmp_path / "out/run.lock").exists()  # released at the end
+
+
+class Wakes:  # RunLock.refresh's wait, without its 30 s: it returns at once, once; then the loop ends
+    def __init__(self):
+        self.calls = 0
+
+    def wait(self, timeout):
+        self.calls += 1
+        return self.calls > 1
+
+    def is_set(self):
+        return False
+
+
+def test_a_run_whose_lock_was_taken_over_exits_at_its_next_refresh(tmp_path, world_of_one, monkeypatch, capsys):
+    """A run frozen past the lock's 2 minutes (a suspended host) may find, once it wakes, that another run has taken
+    its output_dir over: its next refresh ends the process before it writes a checkpoint beside that run's. Its own
+    lock it only refreshes."""
+    (tmp_path / "out").mkdir()
+    lock, path = train.RunLock(tmp_path / "out", world_of_one), tmp_path / "out/run.lock"
+    refresh_thread_event, exits = lock.released, []
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    lock.released = Wakes()
+    lock.refresh()
+    assert time.time() - path.stat().st_mtime < 30 and json.loads(path.read_text()) == lock.me
+    other = {"host": "elsewhere", "pid": 1, "started": "2026-12-04 00:00:00", "run": "0123456789abcdef"}
+    path.write_text(json.dumps(other))  # as acquire() writes it, in the run that took over
+    monkeypatch.setattr(os, "_exit", exits.append)  # the real one would end pytest
+    lock.released = Wakes()
+    lock.refresh()
+    assert exits == [1] and f"error: another run took over {path}" in capsys.readouterr().err
+    lock.released = refresh_thread_event
+    lock.__exit__(None, None, None)
+    assert json.loads(path.read_text()) == other  # left to the run that holds it
