@@ -179,6 +179,21 @@ def test_a_folder_holding_only_the_yaml_and_train_py_runs_the_job(path, tiny_mod
         assert resolved[key] == w["parameters"][key], key  # the parameters block reached train.py
 
 
+def test_train_py_flags_given_to_run_workload_reach_the_command_as_typed_or_are_refused(tmp_path):
+    """The YAMLs' command expands TRAIN_ARGS unquoted (as on a node): a flag that word splitting would change (an
+    empty value, a space, a glob) is refused by tools/run_workload.py, in one line, before the command runs."""
+    workload = tmp_path / "echo.yaml"  # a command that prints the words train.py would get
+    workload.write_text(yaml.safe_dump({"code_source": {"root_path": "."}, "command": 'printf "%s|" ${TRAIN_ARGS:-}'}))
+    tool = [sys.executable, str(ROOT / "tools/run_workload.py"), str(workload), "--"]
+    typed = ["--max_steps", "20", "--tokenizer_name=", "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(tool + typed, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "|".join(typed) + "|", proc.stdout + proc.stderr
+    for value in ["", "two words", "*.yaml"]:
+        proc = subprocess.run([*tool, "--eval_split", value], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+        assert f"so {value!r} would not reach train.py as typed" in proc.stderr.strip().splitlines()[0]
+
+
 UNREACHABLE_HOSTNAME = 'import socket\nsocket.getfqdn = lambda name="": "0-unreachable.invalid"\n'
 
 

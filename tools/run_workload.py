@@ -87,6 +87,12 @@ def main() -> None:
     argv = sys.argv[1:]
     ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(ours)
+    if altered := [arg for arg in train_args if not arg or re.search(r"[\s*?\[]", arg)]:  # as TRAIN_ARGS on a node
+        sys.exit(
+            f"run_workload: the command expands TRAIN_ARGS unquoted, so {altered[0]!r} would not reach train.py as "
+            "typed (split at spaces, globbed, or gone): write an empty value as --key= and give the others in a "
+            "--config file"
+        )
     workload = yaml.safe_load(args.workload.read_text())
     handle, params = tempfile.mkstemp(prefix="hyperparameters-", suffix=".yaml")  # read by the ranks: kept
     os.write(handle, yaml.safe_dump(workload.get("parameters") or {}).encode())
