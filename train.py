@@ -211,7 +211,8 @@ def source_records(source: dict):  # (index, record) of a pass over it; a JSON l
 
     file = {"path": path.suffix[1:], "data_files": str(path), "split": "train"}  # .json or .parquet, by its builder
     hub = {"path": source["name"], "split": source["split"], "revision": source["revision"] or None}
-    yield from enumerate(load_dataset(**(file if path.suffix in (".json", ".parquet") else hub), streaming=True))
+    rows = load_dataset(**(file if path.suffix in (".json", ".parquet") else hub), streaming=True).iter(batch_size=1)
+    yield from enumerate({k: v[0] for k, v in row.items()} for row in rows)  # all of it: a DataLoader worker's own
 
 
 def decoded(record):  # a record, a JSON line's decoded; None for a line that is not UTF-8 JSON
@@ -233,7 +234,7 @@ def read_records(cfg: Config, part: str, shard: int, num_shards: int, start: int
         index, (i, record) = index + 1, item
         if index < start or index % num_shards != shard:
             continue
-        place = f"{cfg.seed}/{i}" if s == 0 else f"{cfg.seed}/{s}/{i}"  # held out in every pass, or in none
+        place = f"{cfg.seed}/{i}"  # held out in every pass or in none, and in each source that holds the same records
         if cfg.eval_fraction and (zlib.crc32(place.encode()) < cfg.eval_fraction * 2**32) != (part == "eval"):
             continue
         if (record := decoded(record)) is None:
@@ -1374,8 +1375,7 @@ def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exa
     stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {counted:.1f}s, waited {time.monotonic() - waiting:.1f}s)")
     if max(blocks_per_rank) == 0:
-        names = ", ".join(source["label"] for source in data_sources(cfg, "train"))
-        raise UserError(f"no trainable conversation in {names}: {stats}")
+        raise UserError(f"no trainable conversation in {', '.join(s['label'] for s in data_sources(cfg, 'train'))}")
     check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], lambda: skipped, cfg)
     return max(blocks_per_rank), stats
 

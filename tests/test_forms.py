@@ -317,3 +317,42 @@ def test_a_hub_dataset_whose_name_has_a_dot_is_read_from_the_hub_not_as_a_file()
     }
     with pytest.raises(train.UserError, match="with datasets, eval_split must be a local file"):
         train.Config(datasets=({"name": "a.jsonl"},), eval_split="test.v2")
+
+
+@pytest.mark.parametrize("files", [1, 2])
+def test_a_datasets_source_is_read_whole_by_each_data_worker_which_takes_its_own_share(tokenizer, tmp_path, files):
+    """datasets' streaming dataset, iterated in a DataLoader worker, reads only that worker's files; read_records
+    shards the records itself, so each worker must read them all. A .parquet file, and a folder of two read the hub's
+    way, train every record once with 2 workers, as with none, and never a held-out one."""
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:48]]
+    name = tmp_path / ("data.parquet" if files == 1 else "hub")
+    if files == 1:
+        Dataset.from_list(rows).to_parquet(name)
+    for k in range(files if files > 1 else 0):
+        Dataset.from_list(rows[k::files]).to_parquet(tmp_path / f"hub/part-{k}.parquet")
+    settings = dict(dataset_name=str(name), dataset_split="train", dataset_revision="", eval_fraction=0.25)
+
+    def conversations(part, num_workers):  # each segment's tokens, over the blocks of rank 0 of 1
+        cfg = train.Config(**settings, max_seq_len=2048, pack_buffer_blocks=2, num_workers=num_workers)
+        seen = Counter()
+        for block in train.block_loader(cfg, tokenizer, part, 0, 1, epochs=1):
+            bounds = block["cu_seqlens"].tolist() if "input_ids" in block else []
+            seen.update(
+                tuple(block["input_ids"][0, a:b].tolist()) for a, b in zip(bounds, bounds[1:]) if a < block["tokens"]
+            )
+        return seen
+
+    alone, held_out = conversations("train", 0), conversations("eval", 0)
+    assert sum(alone.values()) + sum(held_out.values()) == 48 and set(alone).isdisjoint(held_out) and held_out
+    assert conversations("train", 2) == alone
+
+
+def test_a_record_held_out_of_one_source_is_held_out_of_another_that_holds_it_too(two_sources):
+    """One split listed at two revisions (here one file twice) holds the same records at the same places: a record
+    held out of one must not be trained through the other."""
+    twice = (two_sources[0], {**two_sources[0], "revision": "v2", "weight": 1})
+    held = train.Config(datasets=twice, eval_fraction=0.3)
+    trained, held_out = {t for _, t, _ in stream(held)}, {t for _, t, _ in stream(held, "eval")}
+    assert trained and held_out and not trained & held_out

@@ -141,7 +141,7 @@ MUTANTS = [
     Mutant("data-mixture-same-order-every-epoch", "data",
            'random.Random(f"{cfg.seed}/{epoch}")', 'random.Random(f"{cfg.seed}")', FORMS + ["-k", "interleaved"]),
     Mutant("data-held-out-by-stream-index", "data",
-           '        place = f"{cfg.seed}/{i}" if s == 0 else f"{cfg.seed}/{s}/{i}"',
+           '        place = f"{cfg.seed}/{i}"',
            '        place = f"{cfg.seed}/{index}"', FORMS + ["-k", "hold_out"]),
     Mutant("data-bad-line-said-in-every-pass", "data",
            "d.rank, d.world_size, cfg.epochs, progress, not counted))",
