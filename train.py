@@ -955,7 +955,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    counted = not (cfg.max_steps or meta)  # max_steps, a resume's, or counted as the weights load; bad lines said once
+    counted = not (cfg.max_steps or meta and not meta["config"]["max_steps"])  # given, a counted run's, or counted
     passes = cfg.epochs if len(cfg.datasets) > 1 else 1  # a mixture draws each epoch anew: each is counted
     counting = counted and iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, passes, counting=True))
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
@@ -1048,10 +1048,8 @@ RANGES |= dict(learning_rate=(lambda v: 0 < v < math.inf, "> 0 and finite"), max
 
 def typed(field: dataclasses.Field, value, source: str):  # value as the field's type, or an error naming key and source
     want = type(field.default)
-    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if field.name.endswith("revision"):  # its text may be lost: YAML reads 0123 as 83, 1.10 as 1.1
-            raise UserError(f"configuration key {field.name!r} (from {source}) reads as the number {value!r}: quote it")
-        value = str(value)  # YAML reads a string that looks like a number (activation_checkpointing: 0.75) as one
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool) and "revision" not in field.name:
+        value = str(value)  # YAML reads a string that looks like a number (0.75) as one; a revision's text it may lose
     if want is bool and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
         value = value.lower() in ("true", "yes", "on")  # databricks air reads YAML 1.2: no, on... are strings there
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -1197,8 +1195,8 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:  # each rank writes its shar
     return out
 
 
-def check_tracking_store() -> None:  # tried first: a store MetricsLog cannot use would stop the run after the load
-    if not ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
+def check_tracking_store(rank: int) -> None:  # tried first: a store MetricsLog cannot use would stop the run late
+    if rank or not ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
         return
     import mlflow
 
@@ -1226,8 +1224,7 @@ def startup_checks(cfg: Config, d: Dist):  # (attention, model config, tokenizer
         raise UserError("float8 needs an NVIDIA GPU with float8 matmuls (Hopper or newer); set float8: false")
     if cfg.float8 and importlib.util.find_spec("torchao") is None:
         raise UserError("float8 needs torchao: pip install torchao==0.18.0")
-    if d.rank == 0:  # MetricsLog's store (rank 0 logs), before the tokenizer and the weights load
-        check_tracking_store()
+    check_tracking_store(d.rank)  # MetricsLog's (rank 0 logs): before the tokenizer and the weights load
     tokenizer = load_tokenizer(cfg)
     for part in ["train"] + (["eval"] if cfg.eval_split else []):
         check_data(cfg, part)
@@ -1258,11 +1255,10 @@ def require_kernels(config) -> None:  # without them transformers refuses packed
         fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
-    import fla.ops.common.chunk_o as guard  # fla's first-backward guard: Hopper, Triton in [3.4, 3.7.1), no TileLang
-    from fla.ops.common.backends.tilelang import CommonTileLangBackend
-
+    guard = importlib.import_module("fla.ops.common.chunk_o")  # fla's first-backward guard: Hopper, Triton in [3.4,
+    tilelang = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend  # 3.7.1), no TileLang
     guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
-    if guarded and not CommonTileLangBackend.can_use():
+    if guarded and not tilelang.can_use():
         why = "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4,"
         why += " < 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead"
         fix = "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
@@ -1316,12 +1312,15 @@ def pretrained_dir(cfg: Config) -> Path:
     if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):  # safetensors only
         fix = "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
         raise UserError(f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format {fix}")
+    if cfg.export and path.resolve() == (Path(cfg.output_dir) / "model").resolve():  # export_hf empties it first
+        raise UserError(f"model_name {path} is output_dir's model/, which the export replaces: train from a copy of it")
     return path
 
 
-def checkpoint_dtypes(path: Path) -> dict:
+def checkpoint_dtypes(path: Path) -> dict:  # the indexed tensors: not those of Mistral's consolidated.safetensors too
     metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata  # the safetensors headers
-    return {name: meta.properties.dtype for name, meta in metadata.items()}
+    named = json.loads(i.read_text())["weight_map"] if (i := path / "model.safetensors.index.json").exists() else {}
+    return {name: meta.properties.dtype for name, meta in metadata.items() if name in named or not named}
 
 
 def launched_s_ago() -> str:  # this process's age (Linux): its imports, startup checks and all that came before
@@ -2084,9 +2083,9 @@ def export_hf(model, tokenizer, source: Path, source_dtypes: dict, cfg: Config, 
             safetensors.torch.save_file(tensors, out / "model-extra.safetensors", metadata={"format": "pt"})
             index["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for f in source.iterdir():  # config.json, generation_config.json, processor configs; not the tokenizer's
-            tokenizer_file = f.name in TOKENIZER_FILES or f.suffix == ".tiktoken"
-            if f.is_file() and f.suffix != ".safetensors" and f.name != index_file.name and not tokenizer_file:
+        for f in source.iterdir():  # configs (processors' too), code, license; not weights, not the tokenizer's
+            skipped = f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" or f.name.endswith(".index.json")
+            if f.is_file() and f.suffix in (".json", ".py", ".md", ".txt", "") and not skipped:
                 shutil.copy(f, out / f.name)
         tokenizer.save_pretrained(out)  # the tokenizer trained with (tokenizer_name's): special tokens, chat template
         stop_at_end_of_turn(out, tokenizer, model.config)

@@ -3,6 +3,7 @@ checkpoint's contents and policy in one process. Restarts inside the job: test_r
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -273,6 +274,21 @@ def test_a_resumed_run_with_a_larger_max_steps_trains_on(tiny_model_dir, tmp_pat
     assert lrs == pytest.approx(five) and five[4] > 5 * cfg.learning_rate * train.lr_factor(3, cfg, 3)  # step 4 too
 
 
+def test_a_trial_run_resumed_without_max_steps_counts_its_data_and_trains_to_its_end(tiny_model_dir, tmp_path):
+    """max_steps 0 on the resume of a max_steps run (a trial continued as the full pass): the data is counted, as it
+    is for a run started so, and the run trains on to the counted end. A counted run's resume keeps its count."""
+    (data := tmp_path / "twenty.jsonl").write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:20]))
+    command, out = job(tmp_path, tiny_model_dir, "trial", data, export=False)
+    command = [sys.executable, *command[command.index("train.py") :], "--num_workers", "0"]  # one process
+    run_ok([*command, "--max_steps", "2"])
+    output = run_ok(command)
+    counted = int(re.search(r'^data: \{"blocks": (\d+),', output, re.M)[1])
+    steps = math.ceil(counted / 2)  # gradient_accumulation_steps 2
+    assert steps > 3 and "(step 2 of 2)" in output and f"step {steps}/{steps}" in output, output[-3000:]
+    again = run_ok(command)  # a counted run's checkpoint: its count, no counting pass
+    assert "data: " not in again and f"(step {steps} of {steps})" in again
+
+
 def test_a_vlm_layout_model_saves_and_resumes_with_its_vision_tower_frozen(world_of_one, tmp_path):
     """qwen3_5 loads with its image-text class; its vision tower gets no gradient in text SFT. Frozen, it holds
     no optimizer state, so the optimizer state a fresh run expects matches the checkpoint's."""
@@ -447,3 +463,43 @@ def test_staging_buffers_are_pinned_in_their_tensors_gpu_context_also_from_a_thr
     assert calls == [(3, 32)] and buffers[0].shape == (4, 2) and current == [0]
     cpu = train.host_buffer(torch.zeros(3))  # a host tensor's copy needs no pinning
     assert calls == [(3, 32)] and cpu.shape == (3,)
+
+
+def test_the_export_takes_the_indexed_weights_and_copies_no_other_weight_file(world_of_one, tmp_path):
+    """A source as Mistral's hub repos lay it out (consolidated.safetensors: the weights again, in other names, beside
+    the indexed shards), with a stale pytorch_model.bin and its index, a license and a processor config: the export
+    holds the indexed tensors only, none of the other weight files, and the source's other files."""
+    from make_tiny_model import make_model, make_tokenizer
+
+    source, tok = tmp_path / "source", make_tokenizer()
+    make_model(len(tok)).save_pretrained(source, max_shard_size="100KB")  # several shards and an index
+    tok.save_pretrained(source)
+    indexed = tensors(source)
+    save_file({f"native.{i}": t for i, t in enumerate(indexed.values())}, source / "consolidated.safetensors")
+    torch.save({"stale": torch.zeros(1)}, source / "pytorch_model.bin")
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"stale": "pytorch_model.bin"}}))
+    (source / "LICENSE").write_text("the license")
+    (source / "preprocessor_config.json").write_text("{}")
+    cfg = train.Config(model_name=str(source), param_dtype="float32", output_dir=str(tmp_path / "out"), compile=False)
+    dtypes = train.checkpoint_dtypes(source)
+    assert dtypes.keys() == indexed.keys()
+    model = train.build_model(train.model_config(source), cfg, "sdpa", world_of_one.device)
+    train.load_pretrained(model, source, dtypes)
+    out = train.export_hf(model, tok, source, dtypes, cfg, world_of_one)
+    exported = tensors(out)
+    assert exported.keys() == indexed.keys() and all(torch.equal(exported[k], t) for k, t in indexed.items())
+    files = {f.name for f in out.iterdir()}
+    assert {"LICENSE", "preprocessor_config.json", "config.json", "model.safetensors.index.json"} <= files
+    assert not files & {"consolidated.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json"}, files
+
+
+def test_a_run_that_would_export_over_the_model_it_trains_from_stops_at_start(tiny_model_dir, tmp_path):
+    """output_dir/model is emptied by the export: a run whose model_name is it (a second stage in the first one's
+    output_dir) would delete its own source and export without a config. It stops before anything loads."""
+    shutil.copytree(tiny_model_dir, tmp_path / "out/model")
+    job = write_tiny_job(tmp_path / "job.yaml", tmp_path / "out/model", output_dir=str(tmp_path / "out"), max_steps=2)
+    proc = run_process([sys.executable, "train.py", "--config", str(job)], cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "is output_dir's model/, which the export replaces" in proc.stderr, proc.stderr
+    assert (tmp_path / "out/model/config.json").exists() and not (tmp_path / "out/checkpoints").exists()
+    proc = run_process([sys.executable, "train.py", "--config", str(job), "--export", "false"], cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

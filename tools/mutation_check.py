@@ -150,7 +150,7 @@ MUTANTS = [
            "lambda: skip_reasons(gathered(data, self.d))", "lambda: skip_reasons(data)",
            FORMS + ["-k", "skip_fraction_error"]),
     Mutant("faults-mlflow-store-tried-after-the-load", "faults",
-           "        check_tracking_store()\n", "        pass\n", ["tests/test_mlflow_store.py", "-k", "cannot_use"]),
+           "check_tracking_store(d.rank)", "pass", ["tests/test_mlflow_store.py", "-k", "cannot_use"]),
 ]  # fmt: skip
 
 
