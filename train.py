@@ -1198,8 +1198,7 @@ def check_output_dir(cfg: Config, d: Dist) -> Path:  # each rank writes its shar
 def check_tracking_store(rank: int) -> None:  # tried first: a store MetricsLog cannot use would stop the run late
     if rank or not ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
         return
-    import mlflow
-
+    mlflow = importlib.import_module("mlflow")  # imported only where a tracking store is set
     try:  # the cheapest call that needs the store: the platform's run, or one experiment
         client = mlflow.MlflowClient()
         client.get_run(run_id) if run_id else client.search_experiments(max_results=1)
@@ -1766,12 +1765,11 @@ def rss_gib() -> float:
 class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line per log_every steps over all ranks
     def __init__(self, cfg: Config, d: Dist, model, packing: dict | None = None):
         self.cfg, self.d, self.mlflow, self.device = cfg, d, None, "gpu" if d.device.type == "cuda" else "cpu"
-        if d.rank == 0 and (os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_TRACKING_URI")):
-            import mlflow
-
-            run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID"))  # the platform's run, or a new one
+        if d.rank == 0 and ((run_id := os.environ.get("MLFLOW_RUN_ID")) or os.environ.get("MLFLOW_TRACKING_URI")):
+            mlflow = importlib.import_module("mlflow")  # imported only where a tracking store is set
+            run = mlflow.start_run(run_id=run_id)  # the platform's (or a notebook decorator's) run, or a new one
             mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items() if k not in run.data.params})
-            self.mlflow = mlflow  # params cannot change: a resumed run logs only the ones its run does not have yet
+            self.mlflow, self.run_id = mlflow, run_id  # params cannot change: a resumed run logs only the new ones
         self.n_matmul, self.attn_per_sq = matmul_params(model), attention_flops_per_sq_token(model)
         name = torch.cuda.get_device_name() if d.device.type == "cuda" else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)  # the first key it contains
@@ -1783,12 +1781,13 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
     def __exit__(self, kind, error, traceback) -> None:  # as a context, it ends the MLflow run
         if self.mlflow:  # a job's run must not read as a success when it failed
             self.mlflow.end_run("FINISHED" if kind is None else "KILLED" if issubclass(kind, Interrupted) else "FAILED")
+            os.environ.update({"MLFLOW_RUN_ID": self.run_id} if self.run_id else {})  # unset by end_run; train() again
 
     def after_step(self, job: Job, stats: StepStats) -> None:
-        if stats.loss_sum is not None:  # a skipped step's loss is left out
+        if stats.loss_sum is not None:  # a skipped step's loss is left out of the mean
             self.loss_sum += stats.loss_sum
-            self.window["loss_tokens"] += stats.loss_tokens
-        self.window.update(steps=1, blocks=stats.blocks, tokens=stats.tokens, data_wait_s=stats.data_wait_s)
+            self.window["stepped_loss_tokens"] += stats.loss_tokens
+        self.window.update({k: getattr(stats, k) for k in ("blocks", "tokens", "loss_tokens", "data_wait_s")}, steps=1)
         self.window["flops"] += 6 * self.n_matmul * stats.tokens + self.attn_per_sq * stats.sum_sq_len
         self.grad_norm, self.lr = stats.grad_norm, stats.lr  # the log's: the last step's, not a mean over the window
         if self.window["steps"] == 1 and self.since == self.start:  # a new machine's compiles and autotuning
@@ -1806,7 +1805,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         data = job.progress.stream_counts()
         skipped = sum(skip_reasons(data).values())  # this rank's; the totals are over all ranks
         sums = all_reduced([self.loss_sum, skipped, skipped + data["conversations"]], self.d, dtype=torch.float64)
-        loss, skips = sums[0].item() / (self.window["loss_tokens"] or math.nan), sums[1:]  # all skipped: loss nan
+        loss, skips = sums[0].item() / (self.window["stepped_loss_tokens"] or math.nan), sums[1:]  # all skipped: nan
         retries = alloc_retries() if self.d.device.type == "cuda" else 0  # one rank's stall (data, allocator) is all's
         stalls = all_reduced([self.window["data_wait_s"], retries], self.d, dist.ReduceOp.MAX, torch.float64)
         now, c, step, ranks, u = time.perf_counter(), self.window, job.progress.step, self.d.world_size, self.device
@@ -1835,7 +1834,7 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         if self.mlflow:
             pairs = [(k, v) for k, v in record.items() if k not in ("step", "total_steps", "time")]
             pairs += [(f"{k}/{n}", v) for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()]
-            flat = {k: v for k, v in pairs if isinstance(v, (int, float))}  # numbers; a dict's (packing's) as key/name
+            flat = {re.sub(r"[^/\w.\- ]", "_", k): v for k, v in pairs if isinstance(v, (int, float))}  # MLflow's names
             try:  # a tracking-server hiccup must not end a week-long run
                 self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:

@@ -108,3 +108,27 @@ def test_a_store_it_cannot_use_stops_the_run_before_the_model_loads(env, message
     assert "model: " not in out and not (tmp_path / "out/config.yaml").exists()
     assert not list((tmp_path / "out").iterdir())  # nothing loaded, nothing written
     assert time.time() - start < 60
+
+
+def test_a_notebooks_run_takes_every_train_call_and_every_skip_reason(
+    server, tiny_model_dir, world_of_one, tmp_path, monkeypatch
+):
+    """A notebook calls train() again under its decorator's MLFLOW_RUN_ID, which mlflow.end_run unsets: the second
+    call logged to a new run. And a skip reason may hold characters MLflow refuses in a metric's name, which lost the
+    whole batch it was in (every data_seen/* number)."""
+    from transformers import AutoModelForCausalLM
+
+    model, client = AutoModelForCausalLM.from_pretrained(tiny_model_dir), MlflowClient(server)
+    run_id = client.create_run(experiment(server, "notebook")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    reason, cfg = "reasoning the template does not render (set reasoning: drop)", train.Config(output_dir=str(tmp_path))
+    for call in (1, 2):  # each train() call's MetricsLog
+        with train.MetricsLog(cfg, world_of_one, model) as log:
+            log.write({"step": call, "data_seen": {"conversations": 10 * call, reason: call}})
+        assert os.environ.get("MLFLOW_RUN_ID") == run_id
+    history = client.get_metric_history(run_id, "data_seen/conversations")
+    assert [(m.step, m.value) for m in history] == [(1, 10), (2, 20)]
+    run = client.get_run(run_id)
+    assert run.data.metrics["data_seen/reasoning the template does not render _set reasoning_ drop_"] == 2
+    assert run.info.status == "FINISHED"

@@ -4,6 +4,8 @@ import copy
 import ctypes
 import dataclasses
 import itertools
+import json
+import types
 
 import pytest
 import torch
@@ -710,3 +712,18 @@ def test_a_warmup_as_long_as_the_run_is_said_at_the_start(model, warmup_steps, t
     described = train.describe_model(model, cfg, d, "sdpa", total_steps, seconds=1.0, measured=False)
     assert described.startswith("model: ") and f"| steps {total_steps} |" in described
     assert ("warning: warmup_steps >= steps: lr stays below learning_rate" in described) == warned
+
+
+def test_a_window_with_a_skipped_step_counts_its_tokens_everywhere_but_in_the_loss(model, world_of_one, tmp_path):
+    """A step skipped for a non-finite loss trained its blocks' tokens (they count in the speed and the fractions)
+    but has no loss: the window's loss is the stepped steps' token mean."""
+    cfg = train.Config(output_dir=str(tmp_path), log_every=2, max_seq_len=100)
+    log, progress = train.MetricsLog(cfg, world_of_one, model), train.Progress()
+    job = types.SimpleNamespace(progress=progress, total_steps=4)
+    for loss_sum, loss_tokens in [(60.0, 30), (None, 50)]:  # the second step skipped
+        progress.step += 1
+        log.after_step(job, train.StepStats(1, 1, loss_tokens, 90, 0, loss_sum=loss_sum, grad_norm=1.0, lr=1e-5))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and record["loss"] == 2.0  # 60 / 30
+    assert record["loss_token_fraction"] == 80 / 200 and record["non_padding_fraction"] == 180 / 200
+    assert record["loss_tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"] * 80 / 180)
