@@ -955,7 +955,7 @@ def run(cfg: Config, d: Dist, step_hook=None) -> dict:
     progress = resume_progress(resume_from, meta, cfg, d) if meta else Progress()
     if d.rank == 0:  # the settings of this run, once they are known to be usable
         (Path(cfg.output_dir) / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    counted = not (cfg.max_steps or meta and not meta["config"]["max_steps"])  # given, a counted run's, or counted
+    counted = not (cfg.max_steps or (meta and not meta["config"].get("max_steps")))  # or the checkpoint's count
     passes = cfg.epochs if len(cfg.datasets) > 1 else 1  # a mixture draws each epoch anew: each is counted
     counting = counted and iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, passes, counting=True))
     blocks = iter(block_loader(cfg, tokenizer, "train", d.rank, d.world_size, cfg.epochs, progress, not counted))
@@ -1049,7 +1049,7 @@ RANGES |= dict(learning_rate=(lambda v: 0 < v < math.inf, "> 0 and finite"), max
 def typed(field: dataclasses.Field, value, source: str):  # value as the field's type, or an error naming key and source
     want = type(field.default)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool) and "revision" not in field.name:
-        value = str(value)  # YAML reads a string that looks like a number (0.75) as one; a revision's text it may lose
+        value = str(value)  # YAML reads a string that looks like a number (0.75) as one; a revision's (0123) it loses
     if want is bool and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
         value = value.lower() in ("true", "yes", "on")  # databricks air reads YAML 1.2: no, on... are strings there
     if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -1057,7 +1057,8 @@ def typed(field: dataclasses.Field, value, source: str):  # value as the field's
             value = float(value)
     value = tuple(value) if want is tuple and isinstance(value, list) else value  # YAML's lists: datasets
     if type(value) is not want:
-        raise UserError(f"configuration key {field.name!r} (from {source}) must be {want.__name__}, got {value!r}")
+        need = want.__name__ + (" (quoted: YAML read this revision as a number)" if "revision" in field.name else "")
+        raise UserError(f"configuration key {field.name!r} (from {source}) must be {need}, got {value!r}")
     return value
 
 
@@ -1185,6 +1186,8 @@ def decided_by_rank_0(decide, failure: str, d: Dist):  # ranks must not branch o
 
 def check_output_dir(cfg: Config, d: Dist) -> Path:  # each rank writes its shards there: checked before anything loads
     out, probe = Path(cfg.output_dir), Path(cfg.output_dir) / f".write-test-rank{d.rank}"
+    if cfg.export and Path(cfg.model_name).resolve() == (out / "model").resolve():  # export_hf empties it first
+        raise UserError(f"model_name is {out}/model, which the export replaces: train from a copy of it")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
@@ -1254,10 +1257,10 @@ def require_kernels(config) -> None:  # without them transformers refuses packed
         fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
-    guard = importlib.import_module("fla.ops.common.chunk_o")  # fla's first-backward guard: Hopper, Triton in [3.4,
-    tilelang = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend  # 3.7.1), no TileLang
-    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1
-    if guarded and not tilelang.can_use():
+    guard = importlib.import_module("fla.ops.common.chunk_o")  # fla's own guard of the Gated DeltaNet backward
+    tilelang_backend = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend
+    guarded = guard.IS_NVIDIA_HOPPER and guard.TRITON_ABOVE_3_4_0 and not guard.TRITON_ABOVE_3_7_1  # [3.4, 3.7.1)
+    if guarded and not tilelang_backend.can_use():
         why = "flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with this Triton (>= 3.4,"
         why += " < 3.7.1 computes its gradients wrongly there, fla issue #640) and has no TileLang backend instead"
         fix = "pip install tilelang==0.1.15 (workload.yaml's setup does) and put nvcc on PATH, or use torch >= 2.12.1"
@@ -1311,8 +1314,6 @@ def pretrained_dir(cfg: Config) -> Path:
     if cfg.init == "pretrained" and not any(path.glob("*.safetensors")):  # safetensors only
         fix = "(pickled .bin files can run code): convert it with save_pretrained(safe_serialization=True)"
         raise UserError(f"{cfg.model_name} has no .safetensors weights, and this recipe reads no other format {fix}")
-    if cfg.export and path.resolve() == (Path(cfg.output_dir) / "model").resolve():  # export_hf empties it first
-        raise UserError(f"model_name {path} is output_dir's model/, which the export replaces: train from a copy of it")
     return path
 
 
@@ -1373,7 +1374,8 @@ def count_blocks(counting, cfg: Config, d: Dist) -> tuple[int, dict]:  # the exa
     stats |= {"by_source": sources} if (sources := by_source(counts, cfg)) else {}
     print0(d.rank, f"data: {json.dumps(stats)} (counted in {counted:.1f}s, waited {time.monotonic() - waiting:.1f}s)")
     if max(blocks_per_rank) == 0:
-        raise UserError(f"no trainable conversation in {', '.join(s['label'] for s in data_sources(cfg, 'train'))}")
+        names = ", ".join(source["label"] for source in data_sources(cfg, "train"))
+        raise UserError(f"no trainable conversation in {names}: {stats}")
     check_skips(stats["skipped"], stats["skipped"] + stats["conversations"], lambda: skipped, cfg)
     return max(blocks_per_rank), stats
 
@@ -1831,10 +1833,10 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
             return
         with open(Path(self.cfg.output_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.mlflow:
+        if self.mlflow:  # numbers, nested ones as key/name, in the characters MLflow takes (no "(", "//", "/.")
             pairs = [(k, v) for k, v in record.items() if k not in ("step", "total_steps", "time")]
             pairs += [(f"{k}/{n}", v) for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()]
-            flat = {re.sub(r"[^/\w.\- ]", "_", k): v for k, v in pairs if isinstance(v, (int, float))}  # MLflow's names
+            flat = {re.sub(r"[^/\w.\- ]|/(?=[/.]|$)", "_", k): v for k, v in pairs if isinstance(v, (int, float))}
             try:  # a tracking-server hiccup must not end a week-long run
                 self.mlflow.log_metrics(flat, step=record["step"])
             except Exception as e:
@@ -1976,7 +1978,7 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
             with contextlib.suppress(OSError, ValueError):  # a file system hiccup: the next refresh may do
                 if (holder := json.loads(self.path.read_text())) != self.me and not self.released.is_set():
                     print(f"error: another run took over {self.path} ({holder}): exiting", file=sys.stderr)
-                    os._exit(1)  # before this run writes a checkpoint beside that run's
+                    os._exit(2)  # before this run writes a checkpoint beside that run's
                 os.utime(self.path)
 
     def __exit__(self, *exc) -> None:

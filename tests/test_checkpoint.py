@@ -478,8 +478,8 @@ def test_the_export_takes_the_indexed_weights_and_copies_no_other_weight_file(wo
     save_file({f"native.{i}": t for i, t in enumerate(indexed.values())}, source / "consolidated.safetensors")
     torch.save({"stale": torch.zeros(1)}, source / "pytorch_model.bin")
     (source / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"stale": "pytorch_model.bin"}}))
-    (source / "LICENSE").write_text("the license")
-    (source / "preprocessor_config.json").write_text("{}")
+    for name in ("LICENSE", "README.md", "modeling_extra.py", "preprocessor_config.json"):
+        (source / name).write_text("{}")
     cfg = train.Config(model_name=str(source), param_dtype="float32", output_dir=str(tmp_path / "out"), compile=False)
     dtypes = train.checkpoint_dtypes(source)
     assert dtypes.keys() == indexed.keys()
@@ -489,7 +489,7 @@ def test_the_export_takes_the_indexed_weights_and_copies_no_other_weight_file(wo
     exported = tensors(out)
     assert exported.keys() == indexed.keys() and all(torch.equal(exported[k], t) for k, t in indexed.items())
     files = {f.name for f in out.iterdir()}
-    assert {"LICENSE", "preprocessor_config.json", "config.json", "model.safetensors.index.json"} <= files
+    assert {"LICENSE", "README.md", "modeling_extra.py", "preprocessor_config.json", "config.json"} <= files
     assert not files & {"consolidated.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json"}, files
 
 
@@ -499,7 +499,7 @@ def test_a_run_that_would_export_over_the_model_it_trains_from_stops_at_start(ti
     shutil.copytree(tiny_model_dir, tmp_path / "out/model")
     job = write_tiny_job(tmp_path / "job.yaml", tmp_path / "out/model", output_dir=str(tmp_path / "out"), max_steps=2)
     proc = run_process([sys.executable, "train.py", "--config", str(job)], cwd=ROOT, timeout=300)
-    assert proc.returncode == 2 and "is output_dir's model/, which the export replaces" in proc.stderr, proc.stderr
-    assert (tmp_path / "out/model/config.json").exists() and not (tmp_path / "out/checkpoints").exists()
+    assert proc.returncode == 2 and f"is {tmp_path}/out/model, which the export replaces" in proc.stderr, proc.stderr
+    assert (tmp_path / "out/model/config.json").exists() and not (tmp_path / "out/config.yaml").exists()
     proc = run_process([sys.executable, "train.py", "--config", str(job), "--export", "false"], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

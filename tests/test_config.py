@@ -196,7 +196,9 @@ def test_a_boolean_written_as_yaml_1_1_words_is_read_from_a_string_too(tmp_path,
 def test_a_revision_that_yaml_reads_as_a_number_is_refused_and_a_quoted_one_kept(tmp_path, monkeypatch, text):
     """Unquoted, YAML reads 0123456 as an octal 42798, 1.10 as 1.1 and 1_000 as 1000: the text is gone."""
     monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", f"model_revision: {text}\n"))
-    with pytest.raises(ValueError, match="'model_revision' \\(from HYPERPARAMETERS_PATH .*\\) must be str, got"):
+    with pytest.raises(
+        ValueError, match="'model_revision' \\(from HYPERPARAMETERS_PATH .*\\) must be str \\(quoted: YAML read this"
+    ):
         train.parse_args([])
     monkeypatch.setenv("HYPERPARAMETERS_PATH", write(tmp_path / "p.yaml", f'dataset_revision: "{text}"\n'))
     assert train.parse_args([])[0].dataset_revision == text

@@ -123,12 +123,14 @@ def test_a_notebooks_run_takes_every_train_call_and_every_skip_reason(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
     reason, cfg = "reasoning the template does not render (set reasoning: drop)", train.Config(output_dir=str(tmp_path))
+    error = "chat template error: see https://example.com/ or user/assistant/"  # // and a last / : no MLflow name
     for call in (1, 2):  # each train() call's MetricsLog
         with train.MetricsLog(cfg, world_of_one, model) as log:
-            log.write({"step": call, "data_seen": {"conversations": 10 * call, reason: call}})
+            log.write({"step": call, "data_seen": {"conversations": 10 * call, reason: call, error: 1}})
         assert os.environ.get("MLFLOW_RUN_ID") == run_id
     history = client.get_metric_history(run_id, "data_seen/conversations")
     assert [(m.step, m.value) for m in history] == [(1, 10), (2, 20)]
     run = client.get_run(run_id)
     assert run.data.metrics["data_seen/reasoning the template does not render _set reasoning_ drop_"] == 2
+    assert run.data.metrics["data_seen/chat template error_ see https__/example.com/ or user/assistant_"] == 1
     assert run.info.status == "FINISHED"

@@ -424,7 +424,7 @@ def test_a_run_whose_lock_was_taken_over_exits_at_its_next_refresh(tmp_path, wor
     monkeypatch.setattr(os, "_exit", exits.append)  # the real one would end pytest
     lock.released = Wakes()
     lock.refresh()
-    assert exits == [1] and f"error: another run took over {path}" in capsys.readouterr().err
+    assert exits == [2] and f"error: another run took over {path}" in capsys.readouterr().err
     lock.released = refresh_thread_event
     lock.__exit__(None, None, None)
     assert json.loads(path.read_text()) == other  # left to the run that holds it
