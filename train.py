@@ -306,7 +306,8 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
                 if isinstance(m.get("content"), str) and "</think>" in m["content"]:
                     m["content"] = m["content"].partition("</think>")[2].lstrip("\n")
             if not isinstance(m.get("content"), str) or not (m["content"].strip() or m.get("tool_calls")):
-                raise Skip("empty or non-string content")  # a tool-call turn may have no text
+                if m["role"] not in ("system", "tool") or not isinstance(m.get("content"), str):  # these may be empty
+                    raise Skip("empty or non-string content")  # a tool-call turn may have no text
             if not isinstance(m.get("reasoning_content") or "", str):
                 raise Skip("non-string reasoning_content")
             joined.append(m)
@@ -319,8 +320,8 @@ def parsed_arguments(call):  # its arguments as a mapping, without None values (
     function = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
-    arguments = json.loads(given) if isinstance(given := function.get("arguments"), str) else given
-    arguments = {k: v for k, v in arguments.items() if v is not None} if isinstance(arguments, dict) else arguments
+    arguments = json.loads(given or "{}") if isinstance(given := function.get("arguments"), str) else given  # "": none
+    arguments = {k: v for k, v in arguments.items() if v is not None} if isinstance(given, dict) else arguments
     function = {**function, "arguments": arguments}
     return {**call, "function": function} if "function" in call else function
 
@@ -388,7 +389,7 @@ class AssistantMasker:
         render = partial(self.tok.apply_chat_template, tools=tools, tokenize=False)
         try:  # templates raise on conversations they refuse (e.g. Qwen3.5: no user turn)
             text, skeleton = render(messages), render(skeleton_messages)
-            empty = [i for i, m in enumerate(messages) if not m["content"] and i not in skip]
+            empty = [i for i, m in enumerate(messages) if not m["content"] and m.get("tool_calls") and i not in skip]
             call_only = {i: self.call_only_turn(render, messages, i, text) for i in empty}
         except Exception as e:  # jinja2's TemplateError, or whatever the template's own raise_exception gives
             raise Skip(f"chat template error: {str(e)[:80]}") from None
@@ -1859,8 +1860,7 @@ class Evaluator(Operation):  # held-out loss (token-weighted, eval_blocks per ra
         self.blocks = list(itertools.islice((b for b in loader if "input_ids" in b), cfg.eval_blocks))
         self.n_micro, self.loss_tokens = (counts := global_counts(self.blocks, d)).max_blocks, counts.loss_tokens
         if self.loss_tokens == 0:
-            names = ", ".join(source["label"] for source in data_sources(cfg, "eval"))
-            raise UserError(f"the eval data ({names}) yields no loss tokens")
+            raise UserError(f"the eval data yields no loss tokens: {[s['label'] for s in data_sources(cfg, 'eval')]}")
 
     def after_step(self, job: Job, stats: StepStats) -> None:
         if self.cfg.eval_every and job.progress.step % self.cfg.eval_every == 0 and job.progress.step < job.total_steps:

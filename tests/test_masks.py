@@ -325,3 +325,35 @@ def test_a_template_that_renders_calls_without_content_trains_them_from_its_gene
     # A content beside calls is not rendered by this template: it cannot be trained, so the record is skipped.
     with_content = [messages[0], {**messages[1], "content": "Let me look."}, *messages[2:]]
     assert skip_reason(lambda: train.AssistantMasker(tok)(with_content)) == "template renders content-dependently"
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_an_empty_system_prompt_or_tool_result_is_rendered_and_the_conversation_trained(name, tokenizer):
+    """ShareGPT dumps often carry an empty system prompt, and a tool may return nothing: templates render both, so
+    the conversation trains (an empty user or assistant turn still skips it)."""
+    tok, end = with_template(tokenizer, TEMPLATES[name][0]), TEMPLATES[name][1]
+    record = {
+        "conversations": [
+            {"from": "system", "value": ""},
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "gpt", "value": "Let me look."},
+            {"from": "observation", "value": ""},
+            {"from": "gpt", "value": "No data."},
+        ]
+    }
+    messages, _ = train.conversation_of(record["conversations"], None, train.Config())
+    assert messages[0]["content"] == messages[3]["content"] == ""
+    [(ids, mask)] = train.samples_of(record, train.AssistantMasker(tok), train.Config())
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert loss_runs(tok, ids, mask) == [f"Let me look.{end}", f"No data.{end}"]
+
+
+def test_call_arguments_as_json_text_keep_their_nulls_and_an_empty_text_is_no_arguments():
+    """Only Parquet's filled-in structs (arguments as a mapping) lose their None values: nulls a user wrote in JSON
+    text are part of the call."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": null}'}}
+    assert train.parsed_arguments(call)["function"]["arguments"] == {"city": "Paris", "unit": None}
+    struct = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": None}}}
+    assert train.parsed_arguments(struct)["function"]["arguments"] == {"city": "Paris"}
+    no_arguments = {"type": "function", "function": {"name": "get_time", "arguments": ""}}
+    assert train.parsed_arguments(no_arguments)["function"]["arguments"] == {}
