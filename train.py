@@ -212,7 +212,7 @@ def source_records(source: dict):  # (index, record) of a pass over it; a JSON l
     file = {"path": path.suffix[1:], "data_files": str(path), "split": "train"}  # .json or .parquet, by its builder
     hub = {"path": source["name"], "split": source["split"], "revision": source["revision"] or None}
     rows = load_dataset(**(file if path.suffix in (".json", ".parquet") else hub), streaming=True).iter(batch_size=1)
-    yield from enumerate({k: v[0] for k, v in row.items()} for row in rows)  # all of it: a DataLoader worker's own
+    yield from enumerate({k: v[0] for k, v in row.items()} for row in rows)  # .iter(): each data worker reads all
 
 
 def decoded(record):  # a record, a JSON line's decoded; None for a line that is not UTF-8 JSON
@@ -316,7 +316,7 @@ def conversation_of(messages, tools, cfg: Config) -> tuple[list, list | None]:
     return joined, tools
 
 
-def parsed_arguments(call):  # its arguments as a mapping, without None values (Parquet gives each call every key)
+def parsed_arguments(call):  # its arguments as a mapping; a struct's without None (Parquet gives it every key)
     function = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
