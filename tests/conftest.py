@@ -164,13 +164,13 @@ def world_of_one(tmp_path, monkeypatch):
     dist.destroy_process_group()
 
 
-def stream_blocks(cfg, tokenizer, progress, resume=None, n=None) -> list:
+def stream_blocks(cfg, tokenizer, progress, resume=None, n=None, epochs=1) -> list:
     """The input_ids of rank 0 of 1's first n blocks (all if None) through block_loader, recorded in progress."""
     import itertools
 
     import train
 
-    loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=1, resume=resume)
+    loader = train.block_loader(cfg, tokenizer, "train", 0, 1, epochs=epochs, resume=resume)
     return [b["input_ids"] for b in itertools.islice(progress.blocks_of(loader, cfg.num_workers), n)]
 
 

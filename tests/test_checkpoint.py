@@ -13,6 +13,7 @@ import threading
 import time
 import types
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +169,38 @@ def test_a_stream_stopped_in_a_buffer_that_began_with_carried_samples_resumes_on
     assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
 
 
+def test_a_two_epoch_stream_stopped_in_its_first_epoch_resumes_on_the_same_blocks_in_both(tokenizer):
+    """A resume mid-epoch starts that epoch at its position, and the next epoch from its beginning."""
+    cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=0, epochs=2)
+
+    blocks = partial(stream_blocks, cfg, tokenizer, epochs=2)
+
+    whole = blocks(train.Progress())
+    stopped = train.Progress()
+    first = blocks(stopped, n=len(whole) // 4)
+    assert stopped.streams[0].epoch == 0 and stopped.streams[0].record > 0
+    rest = blocks(train.Progress(), resume=stopped)
+    assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
+
+
+def test_an_odd_block_count_with_accumulation_trains_every_block_in_a_last_short_step(
+    tiny_model_dir, tokenizer, tmp_path
+):
+    """The step count rounds up: 2 blocks a step over an odd count ends in a step of one block, not a dropped one."""
+    lines, data = open(SAMPLE).readlines(), tmp_path / "data.jsonl"
+    cfg = train.Config(dataset_name=str(data), max_seq_len=1024, num_workers=0)
+    for n in range(12, len(lines)):  # the fewest records (from 12) that pack into an odd number of blocks
+        data.write_text("".join(lines[:n]))
+        if len(blocks := stream_blocks(cfg, tokenizer, train.Progress())) % 2:
+            break
+    settings = dict(dataset_name=str(data), gradient_accumulation_steps=2, save_every=-1, export=False)
+    result = train.train(
+        str(write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **settings, output_dir=str(tmp_path / "o")))
+    )
+    seen = [r["data_seen"] for r in map(json.loads, open(tmp_path / "o/metrics.jsonl")) if "data_seen" in r]
+    assert result["steps"] == (len(blocks) + 1) // 2 and seen[-1]["blocks"] == len(blocks), (len(blocks), seen, result)
+
+
 @pytest.mark.distributed
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_model_dir, straight, tmp_path):
     """Saves at steps 3 and 6 run in the background (async_save); step 3's completes during step 4. Every rank
@@ -242,13 +275,17 @@ def test_fsdp2_placements_and_master_dtype(tiny_model_dir, world_of_one, master)
     assert state["exp_avg"].dtype == getattr(torch, master)
 
 
-def test_weight_decay_skips_vectors_and_embeddings(world_of_one, tmp_path):
+def test_weight_decay_skips_vectors_and_embeddings_and_each_group_has_the_settings(world_of_one, tmp_path):
     from make_tiny_model import write_tiny_model
 
     source = write_tiny_model(tmp_path / "hybrid", hybrid=True)
-    cfg = train.Config(model_name=str(source), weight_decay=0.1, compile=False)
+    cfg = train.Config(model_name=str(source), weight_decay=0.1, compile=False, adam_beta1=0.8, adam_beta2=0.99)
     model = train.build_model(train.model_config(source), cfg, "sdpa", world_of_one.device)
     optimizer, _ = train.make_optimizer(model, cfg, total_steps=10)
+    assert all(
+        g["betas"] == (0.8, 0.99) and g["fused"] and g["initial_lr"] == cfg.learning_rate
+        for g in optimizer.param_groups
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     (decayed, decay), (kept, no_decay) = (
         (sorted(names[id(p)] for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups
@@ -348,7 +385,7 @@ def test_random_init_needs_no_weights_and_writes_only_what_is_asked(tiny_model_d
     for f in tiny_model_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, geometry / f.name)
-    job = dict(model_name=str(geometry), init="random", max_steps=2, num_workers=0, param_dtype="float32")
+    job = dict(model_name=str(geometry), init="random", max_steps=2, num_workers=0, param_dtype="bfloat16")
     quiet = write_tiny_job(
         tmp_path / "quiet.yaml", geometry, **job, save_every=-1, export=False, output_dir=str(tmp_path / "quiet")
     )
@@ -356,10 +393,14 @@ def test_random_init_needs_no_weights_and_writes_only_what_is_asked(tiny_model_d
     assert result["steps"] == 2 and result["model_dir"] is None
     assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == ["config.yaml", "metrics.jsonl"]
     exported = write_tiny_job(tmp_path / "exported.yaml", geometry, **job, output_dir=str(tmp_path / "exported"))
-    model = AutoModelForCausalLM.from_pretrained(train.train(str(exported))["model_dir"])
+    model_dir = train.train(str(exported))["model_dir"]
+    assert {t.dtype for t in tensors(Path(model_dir)).values()} == {
+        torch.bfloat16
+    }  # param_dtype's, not float32 master's
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     std = model.config.initializer_range
-    weight = model.model.layers[0].mlp.up_proj.weight
-    assert weight.dtype == torch.float32 and abs(float(weight.detach().std()) - std) < 0.2 * std
+    weight = model.model.layers[0].mlp.up_proj.weight.float()
+    assert abs(float(weight.detach().std()) - std) < 0.2 * std
     assert torch.allclose(model.model.norm.weight, torch.ones_like(model.model.norm.weight), atol=1e-2)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import air_schema
 import pytest
+import smollm2_demo as demo
 import yaml
 from conftest import ROOT, TORCHRUN, fake_cuda_home, free_port, run_process, worker_env, write_tiny_job
 
@@ -354,4 +355,11 @@ def test_notebook_entry_point_runs_in_processes_started_like_the_decorator(tiny_
         results.append(json.loads(out.split("RESULT ", 1)[1]))
     assert results[0] == results[1]
     assert results[0]["steps"] == 3 and math.isfinite(results[0]["final_loss"]) and results[0]["eval_loss"]
-    assert Path(results[0]["model_dir"], "config.json").exists()
+    # The eval loss is the token mean over both ranks' held-out blocks, recomputed here on the exported weights
+    cfg = train.load_config(("test", config))
+    model, blocks = (
+        demo.load_model(Path(results[0]["model_dir"]), cfg),
+        demo.eval_blocks(cfg, train.load_tokenizer(cfg), 2),
+    )
+    assert len(blocks) == 2 and blocks[0]["loss_tokens"] != blocks[1]["loss_tokens"]  # a mean of means would differ
+    assert demo.heldout_loss(model, blocks, cfg) == pytest.approx(results[0]["eval_loss"], rel=1e-5)

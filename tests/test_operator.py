@@ -396,6 +396,18 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path, world_of_one, holder, age_s
     assert not (tmp_path / "out/run.lock").exists()  # released at the end
 
 
+def test_of_two_runs_taking_the_lock_at_once_the_one_whose_write_was_replaced_refuses(
+    tmp_path, world_of_one, monkeypatch
+):
+    """acquire() reads the lock back after its write: another run's write in between (here during its 0.2 s wait)
+    wins, and this run stops."""
+    (tmp_path / "out").mkdir()
+    other = {"host": "elsewhere", "pid": 1, "started": "2026-12-05 00:00:00", "run": "0123456789abcdef"}
+    monkeypatch.setattr(train.time, "sleep", lambda s: (tmp_path / "out/run.lock").write_text(json.dumps(other)))
+    with pytest.raises(train.UserError, match="was just taken"):
+        train.RunLock(tmp_path / "out", world_of_one)
+
+
 class Wakes:  # RunLock.refresh's wait, without its 30 s: it returns at once, once; then the loop ends
     def __init__(self):
         self.calls = 0
