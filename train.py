@@ -1023,9 +1023,9 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         train(parse_args(sys.argv[1:] if argv is None else argv)[0])
-    except (UserError, Interrupted) as e:  # every rank raises it; one line is enough
-        print0(int(os.environ.get("RANK", "0")), f"error: {e}" if isinstance(e, UserError) else str(e), file=sys.stderr)
-        code = 2 if isinstance(e, UserError) else 128 + signal.SIGTERM
+    except (UserError, Interrupted) as e:  # every rank raises it; a line a node is enough (rank 0's may be any node)
+        line, code = (f"error: {e}", 2) if isinstance(e, UserError) else (str(e), 128 + signal.SIGTERM)
+        print0(int(os.environ.get("LOCAL_RANK", "0")), line, file=sys.stderr)
     with contextlib.suppress(OSError):  # a pipe closed with the launcher
         sys.stdout.flush()
         sys.stderr.flush()
@@ -1255,7 +1255,7 @@ def require_kernels(config) -> None:  # without them transformers refuses packed
         return
     needed = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
     if missing := " and ".join(pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None):
-        fix = "pip install flash-linear-attention, and build causal-conv1d against your torch"
+        fix = "pip install flash-linear-attention==0.6.0, and build causal-conv1d 1.7.0 against your torch"
         fix += " (workload.yaml's setup does both: README, 'Run it on GPUs')"
         raise UserError(f"{config.model_type} has linear-attention layers and needs {missing}: {fix}")
     guard = importlib.import_module("fla.ops.common.chunk_o")  # fla's own guard of the Gated DeltaNet backward

@@ -99,7 +99,7 @@ def test_the_multi_node_example_takes_the_token_from_a_secret():
     w = yaml.safe_load((ROOT / "llama3.1-8b-2x8xH100.yaml").read_text())
     assert w["compute"] == {"accelerator_type": "GPU_8xH100", "num_accelerators": 16}
     assert w["secrets"] == {"HF_TOKEN": "my_scope/hf_token"} and "HF_TOKEN" not in w["env_variables"]
-    assert w["env_variables"]["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert w["env_variables"]["NCCL_SOCKET_IFNAME"] == w["env_variables"]["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
 def tiny_override(tmp_path, tiny_model_dir, **extra):

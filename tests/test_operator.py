@@ -47,6 +47,12 @@ def test_a_user_error_is_one_line_and_exit_status_2(tiny_model_dir, tmp_path):
     rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir), "--float8", "true"))  # no GPU here
     assert rc == 2 and err.strip().startswith("error: float8 needs an NVIDIA GPU with float8 matmuls")
 
+    # Each node's first rank prints it: the rendezvous may place global rank 0 on any node, and a node's log is its own
+    for rank, local_rank, lines in [("8", "0", 1), ("9", "1", 0)]:
+        env = {**worker_env(), "RANK": rank, "LOCAL_RANK": local_rank}
+        rc, out, err = run(train_py(small_job(tmp_path, tiny_model_dir), "--lerning_rate", "1e-4"), env)
+        assert rc == 2 and err.count("error: unknown configuration key 'lerning_rate'") == lines, err
+
 
 def test_a_rank_that_has_finished_leaves_before_the_interpreters_teardown(tiny_model_dir, tmp_path):
     """The teardown can abort a finished rank (gloo's threads, freed with the interpreter: SIGABRT). Here an exit

@@ -83,7 +83,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(usage=usage, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("workload", type=Path, help="the workload YAML (workload.yaml)")
     parser.add_argument("--setup-only", action="store_true", help="stop after the node setup")
-    parser.add_argument("--dry-run", action="store_true", help="node setup up to the CUDA compile, installing nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="node setup up to the CUDA compile, installing nothing (then torchrun, unless --setup-only)",
+    )
     argv = sys.argv[1:]
     ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(ours)
