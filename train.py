@@ -131,7 +131,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
     export: bool = resumable(True, "write output_dir/model, the Hugging Face checkpoint, at the end")
     log_every: int = resumable(10, "steps per log line (also logged at every checkpoint)")
     eval_every: int = resumable(0, "steps per eval; 0: only at the end (with eval data)")
-    seed: int = setting(0, "data order and initialisation")
+    seed: int = setting(0, "the blocks' order in each pack buffer, a mixture's draws, initialisation")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # a default revision pins the default repo: another repo alone, its latest
@@ -431,8 +431,7 @@ class AssistantMasker:
         """The span of a turn that only calls tools, from where a content would start; None if rendered otherwise."""
         variant = render([{**m, "content": "\ue000"} if j == i else m for j, m in enumerate(messages)])
         start, m = variant.find("\ue000"), messages[i]
-        prefix = variant[:start] if start >= 0 else render(messages[:i], add_generation_prompt=True)
-        start = len(prefix)
+        start = len(prefix := variant[:start] if start >= 0 else render(messages[:i], add_generation_prompt=True))
         end = self.end_of_turn(text, start) if text.startswith(prefix) else None
         names = [(c.get("function") or c).get("name", "") for c in m.get("tool_calls") or [] if isinstance(c, dict)]
         if m["role"] != "assistant" or end is None or not all(str(n) in text[start:end] for n in names):
@@ -655,9 +654,11 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
     with torch.device("meta"):
         model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
     model.requires_grad_(False).get_decoder().requires_grad_(True)  # only the decoder and LM head train; a VLM's
-    model.get_output_embeddings().requires_grad_(True)  # vision tower is frozen (exported): no gradient, no state
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
-        raise UserError("the model's LM head has a bias: HeadLoss (the fused head and loss) computes without one")
+    head = model.get_output_embeddings().requires_grad_(True)  # vision tower is frozen (exported): no grad, no state
+    transforms = "final_logit_softcapping logits_scaling logit_scale lm_head_multiplier output_multiplier".split()
+    scaled = {k: v for k in transforms if (v := getattr(config.get_text_config(), k, None)) not in (None, 1)}
+    if scaled or getattr(head, "bias", None) is not None:  # the model's loss would not be the one trained
+        raise UserError(f"the model's LM head has {scaled or 'a bias'}: HeadLoss (the fused head and loss) has none")
     layers, share = model.get_decoder().layers, recompute_share(cfg.activation_checkpointing)
     if share is None or share > 0:  # auto: all at first (RecomputeProbe keeps some); transformers' wraps in FSDP hooks
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -786,10 +787,8 @@ class HeadLoss(torch.autograd.Function):  # LM head and cross-entropy, their gra
 def lr_factor(step: int, cfg: Config, total_steps: int) -> float:  # warmup, then cosine or linear decay to min_lr_ratio
     if step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.lr_schedule == "constant":
-        return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    shape = {"cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress, "constant": 1}[cfg.lr_schedule]
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
@@ -1008,7 +1007,7 @@ def train(config: Config | dict | str | Path | None = None, step_hook=None) -> d
         with (lock := RunLock(on_every_rank(partial(check_output_dir, config, d), d), d)):
             on_every_rank(partial(stopped_by_a_user_error, config, d), d)  # a restart after one stops at once
             return run(config, d, step_hook)
-    except Exception as e:  # under torchrun, a fault (or a bug) also says what comes next
+    except (Exception, dcp.CheckpointException) as e:  # under torchrun, a fault (or a bug) also says what comes next
         if "TORCHELASTIC_RESTART_COUNT" in os.environ and isinstance(e, UserError) and lock:  # not when a live
             stopped_by_a_user_error(config, d, e)  # run's lock refused this one: that output_dir is the live run's
         elif "TORCHELASTIC_RESTART_COUNT" in os.environ and not isinstance(e, (Interrupted, UserError)):
@@ -1934,10 +1933,11 @@ def stopped_by_a_user_error(cfg: Config, d: Dist, error: UserError | None = None
             path.unlink(missing_ok=True)
 
 
-def after_a_fault(e: Exception, cfg: Config, d: Dist) -> str:
+def after_a_fault(e: BaseException, cfg: Config, d: Dist) -> str:
     env = os.environ.get  # under torchrun the workers restart (--max-restarts) and resume; the last attempt ends it
     attempt, restarts = int(env("TORCHELASTIC_RESTART_COUNT", "0")), int(env("TORCHELASTIC_MAX_RESTARTS", "0"))
-    fault = f"rank {d.rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
+    lines = str(e).strip().splitlines() or [""]  # DCP's CheckpointException: its ranks, their tracebacks, the cause
+    fault = f"rank {d.rank}: {type(e).__name__}: {lines[-1 if isinstance(e, dcp.CheckpointException) else 0][:240]}"
     if attempt < restarts:
         return f"{fault}\nattempt {attempt + 1} of {restarts + 1} failed: torchrun restarts the workers, which resume"
     newest = newest_checkpoint(cfg)
@@ -2038,9 +2038,9 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:  #
     if why == "stopped":
         raise Interrupted(f"stopped by SIGTERM after step {step}; the newest checkpoint is {newest_checkpoint(cfg)}")
     if why == "diverged":
-        bad = f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}"
-        fix = f"The last checkpoint is {newest_checkpoint(cfg)}; lower learning_rate or look at the data"
-        raise UserError(f"{bad}: stopping. {fix}")
+        bad = f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}: stopping"
+        fix = "look at the data, or set a lower learning_rate in a new output_dir (a resume keeps its checkpoint's)"
+        raise UserError(f"{bad}. The last checkpoint is {newest_checkpoint(cfg)}; {fix}")
 
 
 TOKENIZER_FILES = """tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json chat_template.jinja

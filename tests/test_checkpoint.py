@@ -169,6 +169,12 @@ def test_a_stream_stopped_in_a_buffer_that_began_with_carried_samples_resumes_on
     assert len(first + rest) == len(whole) and all(torch.equal(a, b) for a, b in zip(first + rest, whole))
 
 
+def test_a_checkpoint_written_by_another_number_of_ranks_is_refused_before_anything_loads(world_of_one, tmp_path):
+    """Its shards and each rank's data position belong to as many ranks: a resume on 1 of a 2-rank run stops."""
+    with pytest.raises(train.UserError, match="was written by 2 ranks; resume with as many, or use another output_dir"):
+        train.resume_progress(tmp_path, {"world_size": 2, "config": {}}, train.Config(), world_of_one)
+
+
 def test_a_two_epoch_stream_stopped_in_its_first_epoch_resumes_on_the_same_blocks_in_both(tokenizer):
     """A resume mid-epoch starts that epoch at its position, and the next epoch from its beginning."""
     cfg = train.Config(dataset_name=str(SAMPLE), max_seq_len=1024, pack_buffer_blocks=2, num_workers=0, epochs=2)

@@ -259,9 +259,34 @@ def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(ti
     assert rc != 0
     assert "3 steps in a row with a non-finite loss or gradient norm at step 5: stopping" in output
     assert "The last checkpoint is " + str(tmp_path / "out/checkpoints/step_00000004") in output
+    assert "or set a lower learning_rate in a new output_dir (a resume keeps its checkpoint's)" in output
     assert (tmp_path / "out/checkpoints/step_00000004/complete.json").exists()
     runs = MlflowClient(uri).search_runs(["0"])
     assert [r.info.status for r in runs] == ["FAILED"] and "loss" in runs[0].data.metrics
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_checkpoint_write_that_fails_gets_the_faults_line_naming_its_cause(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, async_save
+):
+    """DCP wraps a failed write (here a full volume) in a CheckpointException, a BaseException whose first line names
+    only the ranks: under torchrun the run still says the cause in one line, and what comes next."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs.FileSystemWriter, "write_data", full)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    settings = dict(max_steps=4, save_every=2, export=False, async_save=async_save, output_dir=str(tmp_path / "out"))
+    with pytest.raises(dcp.CheckpointException):
+        train.train(str(write_tiny_job(tmp_path / "job.yaml", tiny_model_dir, **settings)))
+    fault = "rank 0: CheckpointException: OSError: [Errno 28] No space left on device\nattempt 1 of 2 failed"
+    assert fault in capsys.readouterr().err
 
 
 @pytest.mark.distributed

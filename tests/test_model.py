@@ -159,6 +159,33 @@ def test_block_without_loss_tokens_gives_zero_loss_and_gradient(model, tokenizer
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize(
+    "model_type, setting",
+    [("granite", {"logits_scaling": 8.0}), ("gemma2", {}), ("cohere", {}), ("falcon_h1", {"lm_head_multiplier": 0.5})],
+)
+def test_a_model_whose_logits_are_not_its_heads_matmul_is_refused(model_type, setting, world_of_one):
+    """Granite divides its logits by logits_scaling, Gemma 2 caps them (final_logit_softcapping 30), Cohere scales them
+    (logit_scale 0.0625), Falcon-H1 multiplies them: HeadLoss's cross-entropy of the plain head's would train another
+    loss than the model's own (checked here: it differs), so build_model stops. At 1 (Granite's default) they train."""
+    from transformers import AutoConfig
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    config = AutoConfig.for_model(model_type, **tiny, num_key_value_heads=1, vocab_size=64, **setting)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # logits of a trained model's size, where a cap of 30 bites
+        model.get_output_embeddings().weight.mul_(100)
+    ids = torch.randint(0, 64, (1, 12))
+    hidden = model.model(input_ids=ids).last_hidden_state[0, :-1]
+    plain = F.cross_entropy(hidden @ model.get_output_embeddings().weight.T, ids[0, 1:])
+    assert not torch.isclose(plain, model(input_ids=ids, labels=ids).loss, rtol=1e-3)
+    cfg = train.Config(model_name="unused", compile=False)
+    with pytest.raises(train.UserError, match=f"the model's LM head has {{'{next(iter(setting), '')}"):
+        train.build_model(config, cfg, "eager", world_of_one.device)
+    if model_type == "granite":
+        config.logits_scaling = 1.0
+        train.build_model(config, cfg, "eager", world_of_one.device)
+
+
 def test_hybrid_model_without_kernels_fails_at_start_with_an_install_hint(tmp_path):
     from make_tiny_model import write_tiny_model
 

@@ -49,8 +49,8 @@ MUTANTS = [
     Mutant("packed-signals-dropped", "packing",
            '        "cu_seq_lens_q": block["cu_seqlens"],', "", ["tests/test_model.py", "-k", "every_signal"]),
     Mutant("schedule-linear-not-cosine", "loss",
-           "    shape = 0.5 * (1 + math.cos(math.pi * progress)) if",
-           "    shape = 1 - progress if", ["tests/test_config.py", "-k", "lr_schedule"]),
+           '"cosine": 0.5 * (1 + math.cos(math.pi * progress)),', '"cosine": 1 - progress,',
+           ["tests/test_config.py", "-k", "lr_schedule"]),
     # Masks
     Mutant("mask-drops-end-of-turn", "masks",
            "spans.append((reasoning_at.get(i, pos), pos + len(value) + end))",
