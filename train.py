@@ -89,7 +89,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
     param_dtype: str = resumable("bfloat16", "compute dtype of FSDP's all-gathered parameters")
     reduce_dtype: str = resumable("float32", "dtype gradients are reduce-scattered over ranks in")
     activation_checkpointing: str = resumable("auto", "share in [0, 1] of layers recomputed, or auto (measured)")
-    compile: bool = resumable(True, "torch.compile the layers' norms and MLPs, and the loss (off for CPU runs)")
+    compile: bool = resumable(True, "torch.compile the layers' norms and MLPs, and the loss (turn off for CPU runs)")
     float8: bool = resumable(False, "the decoder MLPs' matmuls in float8, rowwise scaled (torchao; Hopper or newer)")
     # Data: a hub dataset (streamed) or a local .jsonl / .json / .parquet file; or several, mixed (README, "Data").
     dataset_name: str = setting("HuggingFaceH4/ultrachat_200k", "hub dataset or local .jsonl/.json/.parquet file")
@@ -111,12 +111,12 @@ class Config:  # every setting of a run, with the default job's values; checked 
     learning_rate: float = setting(1e-5, "peak learning rate (> 0, finite)")
     adam_beta1: float = setting(0.9, "AdamW beta1, in [0, 1)")
     adam_beta2: float = setting(0.95, "AdamW beta2, in [0, 1)")
-    weight_decay: float = setting(0.0, "AdamW weight decay (weight matrices only)")
+    weight_decay: float = setting(0.0, "AdamW weight decay (weight matrices, not the embedding)")
     max_grad_norm: float = resumable(1.0, "gradient clipping norm (> 0)")
     max_bad_steps: int = resumable(5, "stop after this many non-finite steps in a row")
     gradient_accumulation_steps: int = setting(1, "blocks per rank per optimizer step")
     epochs: int = setting(1, "passes over the data")
-    max_steps: int = resumable(0, "> 0: stop after this many steps, no counting pass")
+    max_steps: int = resumable(0, "> 0: the run's steps and its lr schedule's, no counting pass (data ends at epochs)")
     warmup_steps: int = setting(10, "linear warmup steps")
     lr_schedule: str = setting("cosine", "decay after warmup")
     min_lr_ratio: float = setting(0.1, "the decay ends at learning_rate * min_lr_ratio, in [0, 1]")
@@ -131,7 +131,7 @@ class Config:  # every setting of a run, with the default job's values; checked 
     export: bool = resumable(True, "write output_dir/model, the Hugging Face checkpoint, at the end")
     log_every: int = resumable(10, "steps per log line (also logged at every checkpoint)")
     eval_every: int = resumable(0, "steps per eval; 0: only at the end (with eval data)")
-    seed: int = setting(0, "the blocks' order in each pack buffer, a mixture's draws, initialisation")
+    seed: int = setting(0, "blocks' order in each pack buffer, a mixture's draws, eval_fraction's records, init")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # a default revision pins the default repo: another repo alone, its latest
@@ -655,7 +655,8 @@ def build_model(config, cfg: Config, attn: str, device: torch.device):
         model = model_class.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=remote_code)
     model.requires_grad_(False).get_decoder().requires_grad_(True)  # only the decoder and LM head train; a VLM's
     head = model.get_output_embeddings().requires_grad_(True)  # vision tower is frozen (exported): no grad, no state
-    transforms = "final_logit_softcapping logits_scaling logit_scale lm_head_multiplier output_multiplier".split()
+    transforms = "final_logit_softcapping logits_soft_cap output_logit_soft_cap logit_scale logits_scaling".split()
+    transforms += "lm_head_multiplier output_multiplier logits_mup_width_multiplier".split()  # by model, keys differ
     scaled = {k: v for k in transforms if (v := getattr(config.get_text_config(), k, None)) not in (None, 1)}
     if scaled or getattr(head, "bias", None) is not None:  # the model's loss would not be the one trained
         raise UserError(f"the model's LM head has {scaled or 'a bias'}: HeadLoss (the fused head and loss) has none")
@@ -1829,10 +1830,9 @@ class MetricsLog(Operation, contextlib.AbstractContextManager):  # rank 0's line
         self.since, self.window, self.last_loss, self.loss_sum = now, Counter(), r["loss"], 0.0
 
     def write(self, record: dict) -> None:
-        if self.d.rank != 0:
-            return
-        with open(Path(self.cfg.output_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.d.rank == 0:
+            with open(Path(self.cfg.output_dir) / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
         if self.mlflow:  # numbers, nested ones as key/name, in the characters MLflow takes (no "(", "//", "/.")
             pairs = [(k, v) for k, v in record.items() if k not in ("step", "total_steps", "time")]
             pairs += [(f"{k}/{n}", v) for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()]
@@ -2039,7 +2039,7 @@ def finish_training(job: Job, why: str, operations: list[Operation]) -> None:  #
         raise Interrupted(f"stopped by SIGTERM after step {step}; the newest checkpoint is {newest_checkpoint(cfg)}")
     if why == "diverged":
         bad = f"{cfg.max_bad_steps} steps in a row with a non-finite loss or gradient norm at step {step}: stopping"
-        fix = "look at the data, or set a lower learning_rate in a new output_dir (a resume keeps its checkpoint's)"
+        fix = "look at the data, or set a lower learning_rate in a new output_dir (a resume refuses a changed one)"
         raise UserError(f"{bad}. The last checkpoint is {newest_checkpoint(cfg)}; {fix}")
 
 

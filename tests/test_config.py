@@ -140,7 +140,12 @@ def test_a_setting_may_change_on_resume_only_if_its_field_says_so():
     fixed = train.Config(seed=1, num_workers=0, learning_rate=2e-5)
     assert train.fixed_on_resume(saved, fixed) == {"seed": (0, 1), "num_workers": (1, 0), "learning_rate": (1e-5, 2e-5)}
     resumable = {f.name for f in dataclasses.fields(train.Config) if f.metadata["resumable"]}
-    assert "seed" not in resumable and {"log_every", "max_steps", "save_every", "output_dir"} <= resumable
+    # Exactly these: none changes the blocks, their order, the held-out records, the step's batch or the optimizer
+    kernels = {"attn_implementation", "param_dtype", "reduce_dtype", "activation_checkpointing", "compile", "float8"}
+    saves = {"async_save", "save_every", "save_every_minutes", "keep_checkpoints", "export", "output_dir"}
+    cadence = {"log_every", "eval_every", "eval_blocks", "eval_split", "loss_chunk_tokens", "collective_timeout_s"}
+    limits = {"max_steps", "max_grad_norm", "max_bad_steps", "max_skip_fraction", "trust_remote_code"}
+    assert resumable == kernels | saves | cadence | limits
     # What decides the tokens, and so what a checkpoint's data positions point at, is fixed.
     tokens = {"model_name", "model_revision", "tokenizer_name", "dataset_name", "dataset_revision", "max_seq_len"}
     assert not tokens & resumable

@@ -259,7 +259,7 @@ def test_non_finite_steps_in_a_row_stop_the_run_and_leave_the_last_checkpoint(ti
     assert rc != 0
     assert "3 steps in a row with a non-finite loss or gradient norm at step 5: stopping" in output
     assert "The last checkpoint is " + str(tmp_path / "out/checkpoints/step_00000004") in output
-    assert "or set a lower learning_rate in a new output_dir (a resume keeps its checkpoint's)" in output
+    assert "or set a lower learning_rate in a new output_dir (a resume refuses a changed one)" in output
     assert (tmp_path / "out/checkpoints/step_00000004/complete.json").exists()
     runs = MlflowClient(uri).search_runs(["0"])
     assert [r.info.status for r in runs] == ["FAILED"] and "loss" in runs[0].data.metrics

@@ -161,12 +161,19 @@ def test_block_without_loss_tokens_gives_zero_loss_and_gradient(model, tokenizer
 
 @pytest.mark.parametrize(
     "model_type, setting",
-    [("granite", {"logits_scaling": 8.0}), ("gemma2", {}), ("cohere", {}), ("falcon_h1", {"lm_head_multiplier": 0.5})],
+    [
+        ("granite", {"logits_scaling": 8.0}),
+        ("gemma2", {}),
+        ("cohere", {}),
+        ("falcon_h1", {"lm_head_multiplier": 0.5}),
+        ("inkling_text", {}),
+    ],
 )
 def test_a_model_whose_logits_are_not_its_heads_matmul_is_refused(model_type, setting, world_of_one):
     """Granite divides its logits by logits_scaling, Gemma 2 caps them (final_logit_softcapping 30), Cohere scales them
-    (logit_scale 0.0625), Falcon-H1 multiplies them: HeadLoss's cross-entropy of the plain head's would train another
-    loss than the model's own (checked here: it differs), so build_model stops. At 1 (Granite's default) they train."""
+    (logit_scale 0.0625), Falcon-H1 multiplies them, Inkling divides the head's input (logits_mup_width_multiplier 24):
+    HeadLoss's cross-entropy of the plain head's would train another loss than the model's own (checked here: it
+    differs), so build_model stops. A multiplier of 1 (Granite's default) trains."""
     from transformers import AutoConfig
 
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
