@@ -400,9 +400,8 @@ def test_random_init_needs_no_weights_and_writes_only_what_is_asked(tiny_model_d
     assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == ["config.yaml", "metrics.jsonl"]
     exported = write_tiny_job(tmp_path / "exported.yaml", geometry, **job, output_dir=str(tmp_path / "exported"))
     model_dir = train.train(str(exported))["model_dir"]
-    assert {t.dtype for t in tensors(Path(model_dir)).values()} == {
-        torch.bfloat16
-    }  # param_dtype's, not float32 master's
+    # Stored in param_dtype's bfloat16, not in the float32 master weights' dtype
+    assert {t.dtype for t in tensors(Path(model_dir)).values()} == {torch.bfloat16}
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     std = model.config.initializer_range
     weight = model.model.layers[0].mlp.up_proj.weight.float()
