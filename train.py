@@ -487,9 +487,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 def make_block(segments: list[tuple[list[int], list[bool]]], block_len: int, pad_id: int) -> dict:
     """One packed block of whole conversations with the signals that keep them apart. Segments of 3 and 2 tokens in 7
     (the padding is a segment of its own):
-
       position_ids [0 1 2 0 1 0 1]   cu_seqlens [0 3 5 7]   seq_idx [0 0 0 1 1 2 2]   max_length 3
-
     labels: the masked-in tokens, else -100, also on each segment's first token (its target is the previous one's)."""
     pad = block_len - sum(len(seg_ids) for seg_ids, _ in segments)
     assert pad >= 0, "segments longer than the block"
@@ -1598,6 +1596,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
+        torch.cuda.reset_peak_memory_stats()  # step 1's peak from here: not the load's (weights, a resume's moments)
         self.parts = [(i, name, m) for i, layer in enumerate(self.layers) for name, m in recomputable_parts(layer)]
         self.bytes, self.events, self.seconds = [0] * len(self.parts), [None] * len(self.parts), None
         self.kept, self.retries, self.clean_steps, self.watching, self.growing = None, 0, 0, True, False
@@ -1636,8 +1635,8 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
             for _, _, part in self.parts:
                 part.measure = None
             self.seconds = [e[0].elapsed_time(e[1]) / 1e3 if e else 0.0 for e in self.events]  # None: never called
-            moments, peak = sum(m.nbytes for m in job.host_moments.moments()), torch.cuda.max_memory_allocated()
-            if (room := self.room(peak + moments, unplanned=0)) >= 0:  # no step after step 1 needs more than it did
+            moments, peak = sum(m.nbytes for m in job.host_moments.moments()), job.host_moments.peak  # before AdamW
+            if (room := self.room(peak + moments, unplanned=0)) >= 0:  # made them; a later step needs no more than it
                 job.host_moments = None  # they fit beside step 1's peak: on the GPU, where its optimizer step left them
             else:  # e.g. 256k tokens on one H200: 0.8 s each way for the 8-layer geometry's (docs/LONG_BLOCKS.md)
                 line = f"step 1 peaked at {peak / 2**30:.1f} GiB with every layer recomputed, {-room / 2**30:.1f} GiB"
@@ -1724,6 +1723,7 @@ class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each f
 
     @torch.no_grad()
     def to_device(self) -> None:  # their memory given back, and filled in stream order before the step reads it
+        self.peak = torch.cuda.max_memory_allocated()  # the forward's and backward's, before the moments: auto's rule
         if self.stream and self.on_host:
             torch.cuda.current_stream().wait_stream(self.stream)  # the copies out are done with the host buffers
         for moment, buffer in zip(self.moments() if self.on_host else [], self.buffers):

@@ -613,3 +613,41 @@ def test_one_rank_reduce_marks_its_buffer_as_used_on_fsdps_reduce_stream(tmp_pat
     report("one_rank_reduce_streams", master_dtype=master_dtype, marked=len(result["streams"]))
     assert result["steps"] == 3 and math.isfinite(result["final_loss"]), result
     assert result["streams"] == [True] * (3 * 2 * 3), result["streams"]  # (2 layers + the root) x 2 blocks x 3 steps
+
+
+MOMENTS_RUN = """
+import json, sys
+import torch
+import train
+
+seen, probe_after_step = {}, train.RecomputeProbe.after_step
+
+def capped_at_step_1(self, job, stats):  # before the probe's rule: the GPU capped between its sum and the old rule's
+    if not seen:
+        moments = sum(m.nbytes for m in job.host_moments.moments())
+        seen.update(before=job.host_moments.peak, after=torch.cuda.max_memory_allocated(), moments=moments)
+        seen["cap"] = seen["before"] + moments + (seen["after"] - seen["before"]) / 2
+        torch.cuda.set_per_process_memory_fraction(seen["cap"] / torch.cuda.get_device_properties(0).total_memory)
+    probe_after_step(self, job, stats)
+    seen.setdefault("kept", job.host_moments is None)
+
+train.RecomputeProbe.after_step = capped_at_step_1
+result = train.train(sys.argv[1])
+print("RESULT " + json.dumps({**result, **seen}))
+"""
+
+
+def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backward(tmp_path, tokenizer):
+    """auto's rule after step 1 (RecomputeProbe): AdamW's moments stay on the GPU where step 1's forward and backward
+    peak plus the moments fits, even where the peak that AdamW's step (which makes them) leaves behind would not: that
+    one holds the moments already. A dense model of about 1.2 B fp32 parameters at 2,048-token blocks, whose AdamW step
+    peaks well above its backward: the GPU is capped (the per-process fraction, which auto reads) halfway between the
+    two rules' sums before the probe decides. The moments stay, and 3 more steps run under the cap."""
+    config = dense_config(-(-len(tokenizer) // 64) * 64)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
+    proc = train_in_a_new_process(tmp_path, MOMENTS_RUN, config, tokenizer, max_steps=4, export=False)
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    report("moments_rule", **{k: result[k] / 2**30 for k in ("before", "after", "moments", "cap")}, kept=result["kept"])
+    assert result["after"] - result["before"] > result["moments"] / 2  # AdamW's step peaks above the backward
+    assert result["kept"] and "leave the GPU" not in proc.stdout, proc.stdout[-2000:]
+    assert result["steps"] == 4 and math.isfinite(result["final_loss"]), result

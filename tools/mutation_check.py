@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Mutant:
     name: str
-    claim: str  # masks, packing, resume, loss, export, faults, data
+    claim: str  # masks, packing, resume, loss, export, faults, data, memory
     old: str
     new: str
     tests: list[str]  # pytest's arguments (files, -k filters), run in the mutated copy
@@ -174,6 +174,10 @@ MUTANTS = [
     Mutant("faults-lock-race-unchecked", "faults",
            "        if json.loads(self.path.read_text()) != self.me:", "        if False:",
            ["tests/test_operator.py", "-k", "two_runs_taking"]),
+    # Memory: auto's rule for AdamW's moments, on the peak that already holds them (found by reading, 2026-12-05)
+    Mutant("memory-moments-counted-twice", "memory",
+           "job.host_moments.peak  # before AdamW", "torch.cuda.max_memory_allocated()  # before AdamW",
+           ["tests/test_model.py", "-k", "measures_each_layers_parts"]),
 ]  # fmt: skip
 
 
