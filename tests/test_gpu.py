@@ -645,7 +645,7 @@ def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backwar
     two rules' sums before the probe decides. The moments stay, and 3 more steps run under the cap."""
     config = dense_config(-(-len(tokenizer) // 64) * 64)
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
-    config.num_hidden_layers = 4
+    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
     proc = train_in_a_new_process(tmp_path, MOMENTS_RUN, config, tokenizer, max_steps=4, export=False)
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     report("moments_rule", **{k: result[k] / 2**30 for k in ("before", "after", "moments", "cap")}, kept=result["kept"])
