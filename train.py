@@ -1596,7 +1596,6 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
     def __init__(self, job: Job):
         self.job, self.layers = job, job.model.get_decoder().layers
         job.host_moments = HostMoments(job.optimizer, job.d.device)  # in step 1; a resume's would add to its peak
-        torch.cuda.reset_peak_memory_stats()  # step 1's peak from here: not the load's (weights, a resume's moments)
         self.parts = [(i, name, m) for i, layer in enumerate(self.layers) for name, m in recomputable_parts(layer)]
         self.bytes, self.events, self.seconds = [0] * len(self.parts), [None] * len(self.parts), None
         self.kept, self.retries, self.clean_steps, self.watching, self.growing = None, 0, 0, True, False
@@ -1700,7 +1699,7 @@ def recomputable_parts(layer) -> list:  # its children with weights but norms: t
 
 class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each forward and backward, back for the step
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.optimizer, self.buffers, self.on_host = optimizer, [], False
+        self.optimizer, self.buffers, self.on_host, self.peak = optimizer, [], False, None  # peak: to_device's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copies out, beside the forward
 
     def moments(self) -> list[torch.Tensor]:  # rank-local, each with a storage of its own: zeros_like(p) or a load's
@@ -1720,6 +1719,8 @@ class HostMoments:  # AdamW's moments in host memory (pinned on GPUs) for each f
             if pinned:  # the allocator gives the memory to the forward only once the copy has read it
                 moment.record_stream(self.stream)
             moment.untyped_storage().resize_(0)
+        if pinned and self.peak is None:  # step 1's forward next: auto's peak from here, not the load's (a resume's
+            torch.cuda.reset_peak_memory_stats()  # moments, freed just now, included)
 
     @torch.no_grad()
     def to_device(self) -> None:  # their memory given back, and filled in stream order before the step reads it
@@ -1960,9 +1961,8 @@ class RunLock(contextlib.AbstractContextManager):  # run.lock: a second run refu
             age, host, pid = time.time() - self.path.stat().st_mtime, holder["host"], int(holder["pid"])
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             holder = None
-        if holder:
-            pid_gone = host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))  # own pid: a restart
-            if not pid_gone and age < 120:  # refreshed in the last 2 minutes
+        if holder:  # held: refreshed in the last 2 minutes, and not by this host's gone pid or this pid (a restart)
+            if age < 120 and not (host == self.me["host"] and (pid == os.getpid() or not pid_alive(pid))):
                 who = f"host {host}, pid {pid}, started {holder.get('started')}, alive {age:.0f}s ago"
                 fix = f"use another output_dir, or remove {self.path} if that run is gone"
                 raise UserError(f"output_dir {self.path.parent} is in use by another run ({who}): {fix}")

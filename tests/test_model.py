@@ -1,5 +1,6 @@
 """The model path on a tiny dense model in fp32: packed equals separate, the chunked loss equals plain CE."""
 
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -308,7 +309,6 @@ def test_auto_recompute_recomputes_a_kept_part_again_after_each_step_with_alloca
     end the watch. (The retry counter is faked; a world of one gloo process stands in for the ranks.)"""
     counter = iter([0, 2, 2, 3] + [3] * 10)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counter)})
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)  # the probe's, as it starts
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.get_decoder().layers:
@@ -425,6 +425,41 @@ def test_recomputed_layers_inputs_on_the_host_give_the_same_losses_and_gradients
     for (losses, grads), (plain_losses, plain_grads) in zip(moved, plain):
         assert losses.equal(plain_losses) and grads.keys() == plain_grads.keys()
         assert all(grads[n].equal(plain_grads[n]) for n in grads)
+
+
+def test_host_moments_restart_cudas_peak_once_they_are_freed_before_step_1s_forward(monkeypatch):
+    """auto reads step 1's peak as its forward's and backward's: HostMoments' first move to the host (step 1's, before
+    its forward) restarts CUDA's peak after the moments' memory is freed, so that neither the load nor a resume's
+    loaded moments count; later moves leave the peak alone (the watch reads it across steps). (CUDA's stream, copies
+    and counters are faked: on CPU the moments' freed storage is what counts.)"""
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 7)
+    model = torch.nn.Linear(8, 8)
+    optimizer, resets = torch.optim.AdamW(model.parameters()), []
+
+    def step():
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def allocated():  # the moments' device memory, as CUDA's counter would see it
+        return sum(m.untyped_storage().nbytes() for m in train.HostMoments(optimizer, torch.device("cpu")).moments())
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(allocated()))
+    for resumed in (False, True):  # a new run's step 1 has no moments yet; a resume's has the loaded ones
+        if resumed:
+            step()
+        moments, resets[:] = train.HostMoments(optimizer, torch.device("cpu")), []
+        moments.stream = stream  # as on a GPU
+        for _ in range(3):
+            moments.to_host()
+            moments.to_device()
+            step()
+        assert resets == [0] and moments.peak == 7  # once, with the moments' memory free; to_device read the peak
+        assert allocated() == 2 * 72 * 4  # back on the device after each step (a Linear(8, 8)'s two moments)
 
 
 def test_adamw_moments_away_from_the_device_train_exactly_as_kept_there(tiny_model_dir, world_of_one):
@@ -646,7 +681,6 @@ def growing_probe(tiny_model_dir, monkeypatch, world_of_one, peaks: list, retrie
     parameters 1,000 bytes, a GPU of 10,000; CUDA's peak and retry count faked, the next of each list per step."""
     peaks, retries = iter(peaks), iter(retries)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)  # the probe's, as it starts
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(retries)})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10_000, 10_000))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)

@@ -178,6 +178,9 @@ MUTANTS = [
     Mutant("memory-moments-counted-twice", "memory",
            "job.host_moments.peak  # before AdamW", "torch.cuda.max_memory_allocated()  # before AdamW",
            ["tests/test_model.py", "-k", "measures_each_layers_parts"]),
+    Mutant("memory-resumes-moments-in-step-1s-peak", "memory",
+           "        if pinned and self.peak is None:  # step 1's", "        if False:  # step 1's",
+           ["tests/test_model.py", "-k", "restart_cudas_peak"]),
 ]  # fmt: skip
 
 
