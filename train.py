@@ -1623,7 +1623,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
         return output
 
     def after_step(self, job: Job, stats: StepStats) -> None:  # step 1 measures, then each step watches, from step 2
-        if stats.loss_sum is None or not self.watching:  # only steps that stepped the optimizer count
+        if stats.max_blocks == 0 or not self.watching:  # a step without blocks ran nothing (a non-finite one did)
             return
         if self.seconds is None:  # step 1 measured: the layers get their own checkpoint functions back
             torch.cuda.synchronize()  # then CUDA's stack limit (0) at its default: step 1's autotuning trials reserved
@@ -1635,7 +1635,7 @@ class RecomputeProbe(Operation):  # auto (README, "Model"): step 1 measures each
                 part.measure = None
             self.seconds = [e[0].elapsed_time(e[1]) / 1e3 if e else 0.0 for e in self.events]  # None: never called
             moments, peak = sum(m.nbytes for m in job.host_moments.moments()), job.host_moments.peak  # before AdamW
-            if (room := self.room(peak + moments, unplanned=0)) >= 0:  # made them; a later step needs no more than it
+            if (room := self.room(peak + moments, unplanned=0.02)) >= 0:  # made them: a later step needs about as much
                 job.host_moments = None  # they fit beside step 1's peak: on the GPU, where its optimizer step left them
             else:  # e.g. 256k tokens on one H200: 0.8 s each way for the 8-layer geometry's (docs/LONG_BLOCKS.md)
                 line = f"step 1 peaked at {peak / 2**30:.1f} GiB with every layer recomputed, {-room / 2**30:.1f} GiB"

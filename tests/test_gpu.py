@@ -626,7 +626,7 @@ def capped_at_step_1(self, job, stats):  # before the probe's rule: the GPU capp
     if not seen:
         moments = sum(m.nbytes for m in job.host_moments.moments())
         seen.update(before=job.host_moments.peak, after=torch.cuda.max_memory_allocated(), moments=moments)
-        seen["cap"] = seen["before"] + moments + (seen["after"] - seen["before"]) / 2
+        seen["cap"] = (seen["before"] + moments + (seen["after"] - seen["before"]) / 2) / 0.98  # auto keeps 2% spare
         torch.cuda.set_per_process_memory_fraction(seen["cap"] / torch.cuda.get_device_properties(0).total_memory)
     probe_after_step(self, job, stats)
     seen.setdefault("kept", job.host_moments is None)

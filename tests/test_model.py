@@ -3,7 +3,6 @@
 import contextlib
 import copy
 import ctypes
-import dataclasses
 import itertools
 import json
 import types
@@ -221,8 +220,9 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     checkpoint function is back, and the next step runs as any other. Before the room is read, CUDA's stack limit
     is set back to its default (a CUDA build only), giving back what step 1's autotuning reserved. AdamW's
     moments stay on the GPU if step 1's peak before its optimizer step (whose own peak holds them) leaves room for
-    them, by a byte either way. (CUDA's memory counters and driver are faked here: each forward "allocates" 1 MB
-    more than it returns; the real memory is measured on the GPU, docs/BENCHMARKS.md.)"""
+    them beside 2% of the GPU, by a byte either way; a step without blocks does not count, a non-finite one does.
+    (CUDA's memory counters and driver are faked here: each forward "allocates" 1 MB more than it returns; the real
+    memory is measured on the GPU, docs/BENCHMARKS.md.)"""
     records, allocated = [], itertools.cycle([0, 2**20])
 
     class Event:
@@ -258,7 +258,7 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     ids = torch.arange(3, 40)[None]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     moments, total = 2 * sum(p.nbytes for p in model.parameters()), 2**40
-    peak = total - moments + (-1 if moments_fit else 1)  # by the GPU's whole memory: step 1's peak bounds the next
+    peak = 0.98 * total - moments + (-1 if moments_fit else 1)  # by 98% of the GPU: step 1's peak bounds the next
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
     job.host_moments.to_device()  # as train_step calls it: the forward's and backward's peak, read
     job.optimizer.step()  # step 1's, which makes AdamW's moments: its peak holds them, and is not the one that counts
@@ -277,11 +277,11 @@ def test_auto_recompute_measures_each_layers_parts_in_forward_and_in_the_recompu
     assert all(records.index(start) >= 2 * n for start, _ in probe.events)  # the recomputation's are kept
     assert probe.bytes == [2**20] * n  # less the output, plus the input: both [1, 37, hidden] in fp32
     assert len({type(part) for _, _, part in probe.parts}) == len(PARTS)  # one class per kind of part
-    skipped = train.StepStats(max_blocks=1, blocks=1, loss_tokens=36, tokens=37, sum_sq_len=37**2)  # loss_sum None
     monkeypatch.setattr(torch.version, "cuda", cuda_build)  # None: a ROCm build's (no libcuda), or a CPU build's
-    probe.after_step(job, skipped)
-    assert probe.seconds is None and probe.kept is None and not limits  # a skipped step does not count
-    probe.after_step(job, dataclasses.replace(skipped, loss_sum=torch.tensor(1.0)))
+    probe.after_step(job, train.StepStats(max_blocks=0, blocks=0, loss_tokens=0, tokens=0, sum_sq_len=0))
+    assert probe.seconds is None and probe.kept is None and not limits  # a step without blocks does not count
+    skipped = train.StepStats(max_blocks=1, blocks=1, loss_tokens=36, tokens=37, sum_sq_len=37**2)  # loss_sum None:
+    probe.after_step(job, skipped)  # non-finite, AdamW's step skipped (its moments made all the same): it counts
     assert probe.kept is None  # measured; the decision waits for the next step's peak
     reset = [(0, 1024)] if cuda_build else []  # the local memory step 1's autotuning reserved, given back
     assert limits == reset + ["room"]  # before room is read
@@ -436,7 +436,6 @@ def test_host_moments_restart_cudas_peak_once_they_are_freed_before_step_1s_forw
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 7)
     model = torch.nn.Linear(8, 8)
     optimizer, resets = torch.optim.AdamW(model.parameters()), []
 
@@ -449,6 +448,7 @@ def test_host_moments_restart_cudas_peak_once_they_are_freed_before_step_1s_forw
         return sum(m.untyped_storage().nbytes() for m in train.HostMoments(optimizer, torch.device("cpu")).moments())
 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(allocated()))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", allocated)  # what to_device reads: now, not a peak
     for resumed in (False, True):  # a new run's step 1 has no moments yet; a resume's has the loaded ones
         if resumed:
             step()
@@ -458,7 +458,7 @@ def test_host_moments_restart_cudas_peak_once_they_are_freed_before_step_1s_forw
             moments.to_host()
             moments.to_device()
             step()
-        assert resets == [0] and moments.peak == 7  # once, with the moments' memory free; to_device read the peak
+        assert resets == [0] and moments.peak == 0  # once, with the moments' memory free; to_device read it before
         assert allocated() == 2 * 72 * 4  # back on the device after each step (a Linear(8, 8)'s two moments)
 
 
