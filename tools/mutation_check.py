@@ -181,6 +181,11 @@ MUTANTS = [
     Mutant("memory-resumes-moments-in-step-1s-peak", "memory",
            "        if pinned and self.peak is None:  # step 1's", "        if False:  # step 1's",
            ["tests/test_model.py", "-k", "restart_cudas_peak"]),
+    Mutant("memory-non-finite-step-1-ignored", "memory",
+           "if stats.max_blocks == 0 or not self.watching:", "if stats.loss_sum is None or not self.watching:",
+           ["tests/test_model.py", "-k", "measures_each_layers_parts"]),
+    Mutant("memory-moments-with-no-spare", "memory",
+           "unplanned=0.02)) >= 0", "unplanned=0)) >= 0", ["tests/test_model.py", "-k", "measures_each_layers_parts"]),
 ]  # fmt: skip
 
 
