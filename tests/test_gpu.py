@@ -641,8 +641,9 @@ def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backwar
     """auto's rule after step 1 (RecomputeProbe): AdamW's moments stay on the GPU where step 1's forward and backward
     peak plus the moments fits, even where the peak that AdamW's step (which makes them) leaves behind would not: that
     one holds the moments already. A dense model of about 1.3 B fp32 parameters at 2,048-token blocks, whose AdamW step
-    peaks well above its backward: the GPU is capped (the per-process fraction, which auto reads) halfway between the
-    two rules' sums before the probe decides. The moments stay, and 3 more steps run under the cap."""
+    peaks well above its backward: the GPU is capped (the per-process fraction, which auto reads) so that the 98% auto
+    compares with falls halfway between the two rules' sums, before the probe decides. The moments stay, and 3 more
+    steps run under the cap."""
     config = dense_config(-(-len(tokenizer) // 64) * 64)
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
     config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
