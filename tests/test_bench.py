@@ -6,6 +6,7 @@ from pathlib import Path
 
 import adamw_kernels  # bench/ (pytest's pythonpath)
 import pytest
+import reduce_copy_in
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,23 @@ def test_adamw_kernels_variants_make_the_step_of_trains_fused_adamw(variant, mon
         expected = r.detach() - t
         assert expected.norm() > 0.1 * adamw_kernels.LR * expected.numel() ** 0.5  # the step moved it
         torch.testing.assert_close(p.detach() - t, expected, rtol=1e-4, atol=0)
+
+
+def test_reduce_copy_in_times_copies_that_lay_out_fsdps_buffer_and_the_geometrys_units():
+    """bench/reduce_copy_in.py's copies write what FSDP's torch._chunk_cat writes (each tensor's rows rank by rank,
+    the last rank's padded with zeros) for tensors whose rows divide by the ranks and tensors whose rows do not, and
+    its units are the geometry's: the root's embedding, norm and head, one layer of each kind."""
+    torch.manual_seed(0)
+    grads = [torch.randn(s, dtype=torch.bfloat16) for s in [(10, 6), (7,), (16, 3), (5, 2, 2)]]
+    for ranks in (1, 3, 8):
+        numel = sum(-(-g.shape[0] // ranks) * ranks * g[0].numel() for g in grads)
+        fsdp, ours = torch.full((numel,), float("nan")), torch.full((numel,), float("nan"))
+        torch._chunk_cat(grads, 0, ranks, out=fsdp.view(ranks, -1))
+        reduce_copy_in.copy_in_by_copies(grads, ours, ranks)
+        assert torch.equal(fsdp, ours) and ours.abs().sum() > 0, ranks
+    units = reduce_copy_in.units(str(ROOT / "bench/configs/qwen3.8-27b-geometry-8layers"))
+    assert list(units) == ["root", "layer 0 (linear_attention)", "layer 3 (full_attention)"]
+    assert sorted(units["root"]) == [(5120,), (248320, 5120), (248320, 5120)]
 
 
 def test_logsteps_weights_each_step_by_its_seconds_from_both_recipes_lines(tmp_path):
