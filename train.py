@@ -14,7 +14,7 @@ Part II, operations: parsing, checks, counting, checkpoints, the recompute probe
   GPU node:   torchrun --nproc_per_node=8 train.py
   multi-node: torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=8 \\
                        --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py --config job.yaml
-  CPU smoke:  torchrun --nproc_per_node=2 train.py --config examples/cpu_smoke.yaml
+  CPU smoke:  bash scripts/smoke.sh (tools/make_tiny_model.py .tiny-model, then examples/cpu_smoke.yaml on 2 ranks)
   the data only: python tools/inspect_data.py 2 [the same flags]; every setting: python train.py --help
 """
 
