@@ -6,7 +6,8 @@ embedding, final norm and LM head; a Gated DeltaNet layer; a full-attention laye
 
 Prints one line per unit and rank count: ms and TB/s (bf16 read, fp32 written) of each, and whether both wrote the
 same buffer; then a plain bf16 -> fp32 copy's rate. docs/BENCHMARKS.md, twenty-ninth round: on one H100 and one H200
-the root's one-rank chunk_cat took ten times a copy's time here, yet in train.py's step the copies gained 0.1%."""
+(a first form of this script) the root's one-rank chunk_cat took ten times the copies' time, yet in train.py's step
+the copies gained 0.1%."""
 
 import argparse
 from functools import partial
