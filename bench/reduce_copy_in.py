@@ -13,6 +13,7 @@ import argparse
 from functools import partial
 
 import torch
+from adamw_kernels import timed  # bench/: run on the GPU alone, ms a call
 
 
 def units(model_config: str) -> dict:  # FSDP unit -> its trained parameters' shapes, as train.py shards them
@@ -42,18 +43,6 @@ def copy_in_by_copies(grads: list, out: torch.Tensor, ranks: int) -> None:
             into[: len(taken)].copy_(taken)
             into[len(taken) :].zero_()
         offset += rows * flat.shape[1]
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
