@@ -638,6 +638,15 @@ print("RESULT " + json.dumps({**result, **seen}))
 """
 
 
+def moments_config(tokenizer):
+    """The moments tests' dense model: 4 layers, hidden 2048, about 1.3 B fp32 parameters (most in its embedding and
+    head, at the Qwen3.5 tokenizer's vocabulary), whose AdamW step peaks well above its backward at 2,048 tokens."""
+    config = dense_config(-(-len(tokenizer) // 64) * 64)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
+    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    return config
+
+
 def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backward(tmp_path, tokenizer):
     """auto's rule after step 1 (RecomputeProbe): AdamW's moments stay on the GPU where step 1's forward and backward
     peak plus the moments fits, even where the peak that AdamW's step (which makes them) leaves behind would not: that
@@ -645,9 +654,7 @@ def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backwar
     peaks well above its backward: the GPU is capped (the per-process fraction, which auto reads) so that the 98% auto
     compares with falls halfway between the two rules' sums, before the probe decides. The moments stay, and 3 more
     steps run under the cap."""
-    config = dense_config(-(-len(tokenizer) // 64) * 64)
-    config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
-    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    config = moments_config(tokenizer)
     proc = train_in_a_new_process(tmp_path, MOMENTS_RUN, config, tokenizer, max_steps=4, export=False)
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     report("moments_rule", **{k: result[k] / 2**30 for k in ("before", "after", "moments", "cap")}, kept=result["kept"])
@@ -662,11 +669,9 @@ def test_a_resume_decides_on_its_first_steps_peak_without_the_moments_it_loaded(
     the moments of a fresh run's (on an H100: 13.5 GiB against 14.4; 18.7 without the restart, the load's weights
     twice and the moments), and the moments stay on the GPU under a cap between the two rules' sums. Here the loaded
     weights and moments alone (14.0 GiB) come within a block's activations of a step's peak, so the order of the free
-    and the restart is tests/test_model.py's to check. The previous test's model: 2 steps saved at their end, then the
+    and the restart is tests/test_model.py's to check. The moments_config model: 2 steps saved at their end, then the
     same command resumed to step 4, each run in a new process."""
-    config = dense_config(-(-len(tokenizer) // 64) * 64)
-    config.hidden_size, config.intermediate_size, config.num_attention_heads = 2048, 8192, 16
-    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    config = moments_config(tokenizer)
     runs = []
     for steps, save_every in ((2, 0), (4, -1)):
         proc = train_in_a_new_process(
