@@ -666,8 +666,8 @@ def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backwar
 def test_a_resume_decides_on_its_first_steps_peak_without_the_moments_it_loaded(tmp_path, tokenizer):
     """auto's rule in a resumed process: its first step's peak before AdamW is that step's, not the load's (HostMoments
     frees the loaded moments, then restarts CUDA's peak, before the step's forward), so it stays within a quarter of
-    the moments of a fresh run's (on an H100 and an H200: 13.5 GiB against 14.4; 18.7 without the restart, the
-    load's weights twice and the moments), and the moments stay on the GPU under a cap between the two rules' sums.
+    the moments of a fresh run's (13.5 GiB against 14.4 on an H100 and an H200; on the H100 18.7 without the restart,
+    the load's weights twice and the moments), and the moments stay on the GPU under a cap between the two rules' sums.
     Here the loaded weights and moments alone (14.0 GiB) come within a block's activations of a step's peak, so the
     order of the free and the restart is tests/test_model.py's to check. The moments_config model: 2 steps saved at
     their end, then the same command resumed to step 4, each run in a new process."""
