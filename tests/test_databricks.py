@@ -195,6 +195,24 @@ def test_train_py_flags_given_to_run_workload_reach_the_command_as_typed_or_are_
         assert f"so {value!r} would not reach train.py as typed" in proc.stderr.strip().splitlines()[0]
 
 
+def test_run_workload_writes_one_parameters_file_per_content_not_per_run(tmp_path):
+    """tools/run_workload.py hands the parameters block to the command in $HYPERPARAMETERS_PATH's file, which the
+    ranks read after the tool has become the command: two runs of one YAML share one file with its content (runs
+    leave no pile of them in the temp folder), and other parameters get a file of their own."""
+    workload, files = tmp_path / "cat.yaml", []
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    for parameters in ({"max_steps": 20}, {"max_steps": 20}, {"max_steps": 30}):
+        spec = {"code_source": {"root_path": "."}, "parameters": parameters, "command": 'cat "$HYPERPARAMETERS_PATH"'}
+        workload.write_text(yaml.safe_dump(spec))
+        tool = [sys.executable, str(ROOT / "tools/run_workload.py"), str(workload)]
+        proc = subprocess.run(tool, capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0 and yaml.safe_load(proc.stdout) == parameters, proc.stdout + proc.stderr
+        files.append(sorted(p.name for p in (tmp_path / "tmp").iterdir()))
+    assert len(files[0]) == 1 and files[1] == files[0], files
+    assert len(files[2]) == 2 and set(files[0]) < set(files[2]), files
+
+
 UNREACHABLE_HOSTNAME = 'import socket\nsocket.getfqdn = lambda name="": "0-unreachable.invalid"\n'
 
 

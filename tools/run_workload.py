@@ -15,6 +15,7 @@ The command's torchrun takes NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and 
 """
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -78,6 +79,19 @@ def command_env(workload: dict, path: Path, params_file: Path, setup_only: bool,
     return env
 
 
+def parameters_file(text: str) -> Path:
+    """The parameters block as the file $HYPERPARAMETERS_PATH names, in the temp folder. The ranks read it after this
+    process has become the command (exec), so nothing is left to delete it: one file per content and user, which a run
+    with the same parameters writes again, keeps them from piling up. Written aside, then renamed into place."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"hyperparameters-{os.getuid()}-{digest}.yaml"
+    handle, aside = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp", dir=path.parent)
+    os.write(handle, text.encode())
+    os.close(handle)
+    os.replace(aside, path)
+    return path
+
+
 def main() -> None:
     usage = "run_workload.py WORKLOAD [--setup-only] [--dry-run] [-- TRAIN.PY FLAGS]"
     parser = argparse.ArgumentParser(usage=usage, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -98,10 +112,8 @@ def main() -> None:
             "--config file"
         )
     workload = yaml.safe_load(args.workload.read_text())
-    handle, params = tempfile.mkstemp(prefix="hyperparameters-", suffix=".yaml")  # read by the ranks: kept
-    os.write(handle, yaml.safe_dump(workload.get("parameters") or {}).encode())
-    os.close(handle)
-    env = command_env(workload, args.workload, Path(params), args.setup_only, args.dry_run, train_args)
+    params = parameters_file(yaml.safe_dump(workload.get("parameters") or {}))
+    env = command_env(workload, args.workload, params, args.setup_only, args.dry_run, train_args)
     sys.stdout.flush()
     # exec: the command (and the torchrun it execs) is this process, and gets its signals, as on a node.
     os.execve(shutil.which("bash"), ["bash", "-c", workload["command"]], env)
