@@ -633,8 +633,15 @@ def capped_at_step_1(self, job, stats):  # before the probe's rule: the GPU capp
     seen.setdefault("kept", job.host_moments is None)
 
 train.RecomputeProbe.after_step = capped_at_step_1
-result = train.train(sys.argv[1])
+result = train.train(sys.argv[1], step_hook=None)
 print("RESULT " + json.dumps({**result, **seen}))
+"""
+
+NAN_AT_STEP_1 = """
+def nan_at_step_1(step, model, loss_sum, blocks):  # a NaN in one gradient: AdamW skips its update, makes the moments
+    if step == 1:
+        next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("nan")
+
 """
 
 
@@ -647,17 +654,28 @@ def moments_config(tokenizer):
     return config
 
 
-def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backward(tmp_path, tokenizer):
+@pytest.mark.parametrize("non_finite_step_1", [False, True])
+def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backward(
+    tmp_path, tokenizer, non_finite_step_1
+):
     """auto's rule after step 1 (RecomputeProbe): AdamW's moments stay on the GPU where step 1's forward and backward
     peak plus the moments fits, even where the peak that AdamW's step (which makes them) leaves behind would not: that
     one holds the moments already. A dense model of about 1.3 B fp32 parameters at 2,048-token blocks, whose AdamW step
     peaks well above its backward: the GPU is capped (the per-process fraction, which auto reads) so that the 98% auto
     compares with falls halfway between the two rules' sums, before the probe decides. The moments stay, and 3 more
-    steps run under the cap."""
+    steps run under the cap. A non-finite step 1 (fused AdamW's found_inf) counts as any other: it made the moments,
+    so a rule that waited for step 2 would read a peak that holds them and move them."""
     config = moments_config(tokenizer)
-    proc = train_in_a_new_process(tmp_path, MOMENTS_RUN, config, tokenizer, max_steps=4, export=False)
+    script = MOMENTS_RUN
+    if non_finite_step_1:
+        script = script.replace("result = train.train", NAN_AT_STEP_1 + "result = train.train")
+        script = script.replace("step_hook=None", "step_hook=nan_at_step_1")
+    proc = train_in_a_new_process(tmp_path, script, config, tokenizer, max_steps=4, export=False)
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    report("moments_rule", **{k: result[k] / 2**30 for k in ("before", "after", "moments", "cap")}, kept=result["kept"])
+    gib = {k: result[k] / 2**30 for k in ("before", "after", "moments", "cap")}
+    report("moments_rule", **gib, kept=result["kept"], non_finite_step_1=non_finite_step_1)
+    skipped = "step 1: non-finite loss or gradient norm, optimizer step skipped (1 in a row, 1 in all)"
+    assert (skipped in proc.stdout) == non_finite_step_1, proc.stdout[-2000:]
     assert result["after"] - result["before"] > 2**30  # AdamW's step peaks above the backward: the cap between
     assert result["kept"] and "leave the GPU" not in proc.stdout, proc.stdout[-2000:]
     assert result["steps"] == 4 and math.isfinite(result["final_loss"]), result
