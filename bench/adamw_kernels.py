@@ -44,13 +44,15 @@ def main() -> None:
     p.add_argument("--model-config", default="bench/configs/qwen3.8-27b-geometry-8layers")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--variants", nargs="*", default=["per-tensor", "compiled-foreach", "dtensor"])
+    p.add_argument("--drop", nargs="*", default=[], help="tensors left out (by name), to fit a smaller GPU")
     args = p.parse_args()
-    shapes = trained_shapes(args.model_config)
+    shapes = [(name, shape) for name, shape in trained_shapes(args.model_config) if name not in args.drop]
     params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for _, s in shapes]
     for q in params:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
-    embedding = params[[name for name, _ in shapes].index("model.embed_tokens.weight")]
+    names = [name for name, _ in shapes]
+    embedding = params[names.index("model.embed_tokens.weight")] if "model.embed_tokens.weight" in names else None
     groups = [
         {"params": [q for q in params if q.ndim >= 2 and q is not embedding]},
         {"params": [q for q in params if q.ndim < 2 or q is embedding], "weight_decay": 0.0},
@@ -83,7 +85,9 @@ def main() -> None:
         step = None  # the last variant's state freed first
         torch.cuda.empty_cache()
         t = time.perf_counter()
-        if variant.startswith("triton"):  # triton-BLOCK-WARPS
+        if variant.startswith("fused-streams"):  # fused-streams-K
+            step = fused_on_streams_step(groups, int(variant.rsplit("-", 1)[1]))
+        elif variant.startswith("triton"):  # triton-BLOCK-WARPS
             _, block, warps = variant.split("-")
             step = triton_step(params, groups, int(block), int(warps))
         elif variant == "per-tensor":
@@ -124,6 +128,44 @@ def per_tensor_step(params: list, groups: list):
         for q, (m, v), wd in zip(params, moments, wds):
             update(q.data.view(-1), q.grad.view(-1), m, v, lr, wd, b1, b2, eps, bc1, bc2, inv)
 
+    return step
+
+
+def dealt(groups: list, k: int) -> list[list[dict]]:
+    """The param groups' parameters dealt into k buckets of about equal size (the largest first, each to the smallest
+    bucket), each bucket the same groups (settings kept) over its own parameters."""
+    sizes, buckets = [0] * k, [[[] for _ in groups] for _ in range(k)]  # bucket -> group -> params
+    for q, g in sorted(
+        ((q, g) for g, group in enumerate(groups) for q in group["params"]), key=lambda t: -t[0].numel()
+    ):
+        i = sizes.index(min(sizes))
+        sizes[i] += q.numel()
+        buckets[i][g].append(q)
+    return [[{**group, "params": qs} for group, qs in zip(groups, bucket) if qs] for bucket in buckets]
+
+
+def fused_on_streams_step(groups: list, k: int):
+    """torch's fused AdamW over k buckets of the parameters (dealt), each bucket's optimizer stepped on a stream of its
+    own: each of the fused kernel's launches runs at most 320 blocks of 512 threads (multi_tensor_apply's limit for
+    its four lists), under the 4 x 132 an H200 holds at once, so launches on k streams may overlap where one stream's
+    cannot. The moments are made on the current stream (a first step there), as a run's would be."""
+    opts = [torch.optim.AdamW(bucket, lr=LR, weight_decay=WEIGHT_DECAY, fused=True) for bucket in dealt(groups, k)]
+    streams, main = [torch.cuda.Stream() for _ in opts], torch.cuda.current_stream()
+
+    def step(scale):
+        for opt, stream in zip(opts, streams):
+            opt.grad_scale = scale
+            if not opt.state:  # the moments allocated on the current stream, as in a run
+                opt.step()
+                continue
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                opt.step()
+        for stream in streams:
+            main.wait_stream(stream)
+
+    sizes = [sum(q.numel() for g in opt.param_groups for q in g["params"]) / 1e9 for opt in opts]
+    print(f"adamw: fused-streams-{k}: buckets of {[round(n, 2) for n in sizes]} B parameters", flush=True)
     return step
 
 

@@ -46,6 +46,20 @@ def test_adamw_kernels_variants_make_the_step_of_trains_fused_adamw(variant, mon
         torch.testing.assert_close(p.detach() - t, expected, rtol=1e-4, atol=0)
 
 
+def test_adamw_kernels_streams_variant_deals_every_parameter_once_in_its_group():
+    """bench/adamw_kernels.py's fused-streams-K steps torch's fused AdamW over K buckets of the parameters: each
+    parameter is in exactly one bucket, in a group with its own settings (weight decay), and the buckets' sizes are
+    within the largest tensor of one another."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (900, 500, 400, 300, 300, 100, 7, 3)]
+    groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.0}]
+    for k in (1, 2, 3):
+        buckets = adamw_kernels.dealt(groups, k)
+        placed = [(id(q), g.get("weight_decay")) for bucket in buckets for g in bucket for q in g["params"]]
+        assert sorted(placed) == sorted((id(q), g.get("weight_decay")) for g in groups for q in g["params"]), k
+        sizes = [sum(q.numel() for g in bucket for q in g["params"]) for bucket in buckets]
+        assert len(buckets) == k and max(sizes) - min(sizes) <= 900, (k, sizes)
+
+
 def test_reduce_copy_in_times_copies_that_lay_out_fsdps_buffer_and_the_geometrys_units():
     """bench/reduce_copy_in.py's copies write what FSDP's torch._chunk_cat writes (each tensor's rows rank by rank,
     the last rank's padded with zeros) for tensors whose rows divide by the ranks and tensors whose rows do not, and
