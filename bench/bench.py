@@ -133,7 +133,10 @@ def cmd_ours(args) -> None:
     for lever in args.lever:  # step-time levers tried here before train.py gets them (docs/BENCHMARKS.md)
         from long_levers import on_each_built_model
 
-        on_each_built_model(STEP_LEVERS[lever])
+        if lever == "adamw-streams":
+            train.make_optimizer = adamw_on_streams(train.make_optimizer)
+        else:
+            on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
     hooks += [memory_outside_torch()] if os.environ.get("BENCH_MEMINFO") else []  # (eighteenth round)
@@ -193,6 +196,44 @@ def recompute_mixers(layers) -> None:
         kind = type(mixer)
         mixer.__class__ = classes.setdefault(kind, type(kind.__name__, (train.RecomputedPart, kind), {}))
         mixer.recomputed = True
+
+
+def adamw_on_streams(make_optimizer, streams: int = 2):
+    """BENCH lever (adamw-streams): train.py's AdamW, its parameters dealt into `streams` buckets of about equal size
+    (bench/adamw_kernels.py's dealt), each bucket's groups stepped on a CUDA stream of its own after step 1 (whose
+    moments are made on the current stream): torch 2.11's fused kernel runs at most 320 blocks a launch, and launches
+    on two streams may overlap where one stream's cannot (bench/adamw_kernels.py fused-streams-K). The scheduler is
+    train.py's lambda over the new groups."""
+    import torch
+    from adamw_kernels import dealt
+
+    class AdamWOnStreams(torch.optim.AdamW):
+        def step(self, closure=None):
+            if not self.state:  # step 1: the moments made on the current stream, as train.py's are
+                return super().step()
+            groups, main = self.param_groups, torch.cuda.current_stream()
+            for i, stream in enumerate(self.streams):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    self.param_groups = [g for g in groups if g["stream"] == i]
+                    try:
+                        super().step()
+                    finally:
+                        self.param_groups = groups
+            for stream in self.streams:
+                main.wait_stream(stream)
+
+    def make(model, cfg, total_steps):
+        optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+        buckets = dealt(optimizer.param_groups, streams)
+        regrouped = [{**group, "stream": i} for i, bucket in enumerate(buckets) for group in bucket]
+        optimizer = AdamWOnStreams(regrouped, fused=True)
+        optimizer.streams = [torch.cuda.Stream() for _ in buckets]
+        sizes = [sum(q.numel() for g in bucket for q in g["params"]) / 1e9 for bucket in buckets]
+        print(f"bench: adamw-streams: {len(regrouped)} groups on {streams} streams, {sizes} B parameters", flush=True)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+
+    return make
 
 
 STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}
@@ -962,7 +1003,8 @@ def main() -> None:
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
     p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
-    p.add_argument("--lever", action="append", default=[], choices=sorted(STEP_LEVERS), help="a step-time lever")
+    levers = sorted([*STEP_LEVERS, "adamw-streams"])
+    p.add_argument("--lever", action="append", default=[], choices=levers, help="a step-time lever")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")
