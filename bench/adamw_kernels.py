@@ -146,9 +146,10 @@ def dealt(groups: list, k: int) -> list[list[dict]]:
 
 def fused_on_streams_step(groups: list, k: int):
     """torch's fused AdamW over k buckets of the parameters (dealt), each bucket's optimizer stepped on a stream of its
-    own: each of the fused kernel's launches runs at most 320 blocks of 512 threads (multi_tensor_apply's limit for
-    its four lists), under the 4 x 132 an H200 holds at once, so launches on k streams may overlap where one stream's
-    cannot. The moments are made on the current stream (a first step there), as a run's would be."""
+    own: each of the fused kernel's launches runs at most 320 blocks of 512 threads where its kernel arguments are
+    4 KB (multi_tensor_apply's limit for its four lists), each ending in a partial wave, so launches on k streams may
+    overlap where one stream's cannot. The moments are made on the current stream (a first step there), as a run's
+    would be."""
     opts = [torch.optim.AdamW(bucket, lr=LR, weight_decay=WEIGHT_DECAY, fused=True) for bucket in dealt(groups, k)]
     streams, main = [torch.cuda.Stream() for _ in opts], torch.cuda.current_stream()
 

@@ -201,9 +201,9 @@ def recompute_mixers(layers) -> None:
 def adamw_on_streams(make_optimizer, streams: int = 2):
     """BENCH lever (adamw-streams): train.py's AdamW, its parameters dealt into `streams` buckets of about equal size
     (bench/adamw_kernels.py's dealt), each bucket's groups stepped on a CUDA stream of its own after step 1 (whose
-    moments are made on the current stream): torch 2.11's fused kernel runs at most 320 blocks a launch, and launches
-    on two streams may overlap where one stream's cannot (bench/adamw_kernels.py fused-streams-K). The scheduler is
-    train.py's lambda over the new groups."""
+    moments are made on the current stream): the fused kernel runs at most 320 blocks a launch where its kernel
+    arguments are 4 KB, and launches on two streams may overlap where one stream's cannot (bench/adamw_kernels.py
+    fused-streams-K). The scheduler is train.py's lambda over the new groups."""
     import torch
     from adamw_kernels import dealt
 
