@@ -5,8 +5,9 @@ GPU), timed on the GPU alone: how close each implementation comes to the memory 
         [--variants per-tensor compiled-foreach dtensor]
 
 Prints one line per implementation: ms per step, and the GB/s of the bytes an update must move (param, gradient
-and the two moments read; param and moments written: 28 bytes a parameter in fp32). torch's fused and foreach
-AdamW always run; the variants are compiled ones (docs/BENCHMARKS.md, nineteenth round)."""
+and the two moments read; param and moments written: 28 bytes a parameter in fp32). torch's fused AdamW, with
+train.py's grad_scale (its kernel then writes the gradients back too) and without, and torch's foreach AdamW always
+run; the variants are compiled ones or fused-streams-K (docs/BENCHMARKS.md, nineteenth and thirty-first rounds)."""
 
 import argparse
 import time
@@ -67,13 +68,15 @@ def main() -> None:
     def report(name: str, ms: float) -> None:
         print(f"adamw: {name:46s} {ms:7.2f} ms  {n * 28 / ms / 1e6:7,.0f} GB/s", flush=True)
 
-    for name, kwargs in (
-        ("torch fused (grad_scale: train.py's clipping)", {"fused": True}),
-        ("torch foreach", {"foreach": True}),
-    ):
-        opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
-        if kwargs.get("fused"):
-            opt.grad_scale = scale
+    no_inf = torch.zeros((), device="cuda")
+    for name, kwargs, clipped in (
+        ("torch fused (grad_scale, found_inf: train.py's)", {"fused": True}, True),
+        ("torch fused, no grad_scale (no grads written)", {"fused": True}, False),
+        ("torch foreach", {"foreach": True}, False),
+    ):  # each its own copy of the groups: AdamW writes its defaults (fused, foreach) into the dicts it is given
+        opt = torch.optim.AdamW([{**g} for g in groups], lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
+        if clipped:  # the kernel then divides each gradient by the scale and writes it back: 4 bytes a parameter
+            opt.grad_scale, opt.found_inf = scale, no_inf
         report(name, timed(opt.step, args.steps))
         opt.state.clear()
         del opt
@@ -141,7 +144,8 @@ def dealt(groups: list, k: int) -> list[list[dict]]:
         i = sizes.index(min(sizes))
         sizes[i] += q.numel()
         buckets[i][g].append(q)
-    return [[{**group, "params": qs} for group, qs in zip(groups, bucket) if qs] for bucket in buckets]
+    dealt = [[{**group, "params": qs} for group, qs in zip(groups, bucket) if qs] for bucket in buckets]
+    return [bucket for bucket in dealt if bucket]  # fewer than k where there are fewer parameters
 
 
 def fused_on_streams_step(groups: list, k: int):
@@ -153,9 +157,11 @@ def fused_on_streams_step(groups: list, k: int):
     opts = [torch.optim.AdamW(bucket, lr=LR, weight_decay=WEIGHT_DECAY, fused=True) for bucket in dealt(groups, k)]
     streams, main = [torch.cuda.Stream() for _ in opts], torch.cuda.current_stream()
 
+    no_inf = torch.zeros((), device="cuda")
+
     def step(scale):
         for opt, stream in zip(opts, streams):
-            opt.grad_scale = scale
+            opt.grad_scale, opt.found_inf = scale, no_inf
             if not opt.state:  # the moments allocated on the current stream, as in a run
                 opt.step()
                 continue

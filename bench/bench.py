@@ -203,13 +203,15 @@ def adamw_on_streams(make_optimizer, streams: int = 2):
     (bench/adamw_kernels.py's dealt), each bucket's groups stepped on a CUDA stream of its own after step 1 (whose
     moments are made on the current stream): the fused kernel runs at most 320 blocks a launch where its kernel
     arguments are 4 KB, and launches on two streams may overlap where one stream's cannot (bench/adamw_kernels.py
-    fused-streams-K). The scheduler is train.py's lambda over the new groups."""
+    fused-streams-K). The scheduler is train.py's lambda over the new groups. Optimizer hooks (train.py registers
+    none) would run once for the step and once for each stream's."""
     import torch
     from adamw_kernels import dealt
 
     class AdamWOnStreams(torch.optim.AdamW):
         def step(self, closure=None):
-            if not self.state:  # step 1: the moments made on the current stream, as train.py's are
+            made = all(p in self.state for g in self.param_groups for p in g["params"] if p.grad is not None)
+            if not made:  # the moments made on the current stream (step 1), as train.py's are
                 return super().step()
             groups, main = self.param_groups, torch.cuda.current_stream()
             for i, stream in enumerate(self.streams):

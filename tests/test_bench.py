@@ -60,39 +60,54 @@ def test_adamw_kernels_streams_variant_deals_every_parameter_once_in_its_group()
         assert len(buckets) == k and max(sizes) - min(sizes) <= 900, (k, sizes)
 
 
-def test_adamw_streams_lever_regroups_trains_adamw_and_its_schedule(monkeypatch):
+def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(monkeypatch):
     """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 buckets: every parameter once, with its own
-    group's weight decay, the same learning rate at every step of the schedule, and, at step 1 (on the current
-    stream, where train.py makes the moments), the same update as train.py's optimizer. The later steps' streams
-    need CUDA: the bench runs them alternated with the defaults, whose losses they must repeat."""
+    group's weight decay, the same learning rate at every step of the schedule, and the same weights as train.py's
+    optimizer after each of 4 steps: step 1 on the current stream (the moments made there), the later ones each
+    bucket on its stream (CUDA's streams stand-ins here: the buckets' steps one after another on CPU)."""
+    import contextlib
+
     import bench
     import train
 
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)  # made, not used at step 1
+    class Stream:  # CUDA's stream calls, as a CPU run may make them
+        def wait_stream(self, other): ...
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
     model.get_input_embeddings = lambda: model[0]
     cfg = train.Config(learning_rate=1e-2, warmup_steps=2)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    start = [p.detach().clone() for p in model.parameters()]
-    ours, ours_schedule = train.make_optimizer(model, cfg, 10)
-    ours.step()
-    expected = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, t in zip(model.parameters(), start):
-            p.copy_(t)
-    lever, schedule = bench.adamw_on_streams(train.make_optimizer)(model, cfg, 10)
+    start, grads = [p.detach().clone() for p in model.parameters()], []
+    for _ in range(4):
+        grads.append([torch.randn_like(p) for p in model.parameters()])
+
+    def run(make_optimizer) -> tuple:
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), start):
+                p.copy_(t)
+        optimizer, schedule, weights, lrs = *make_optimizer(model, cfg, 10), [], []
+        for step_grads in grads:
+            for p, g in zip(model.parameters(), step_grads):
+                p.grad = g.clone()
+            optimizer.grad_scale = torch.tensor(1.5)  # train.py's clipping, through the fused kernel
+            optimizer.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+            lrs.append({g["lr"] for g in optimizer.param_groups})
+            schedule.step()
+        return optimizer, weights, lrs
+
+    ours, expected, expected_lrs = run(train.make_optimizer)
+    lever, weights, lrs = run(bench.adamw_on_streams(train.make_optimizer))
     decay = {id(p): g["weight_decay"] for g in ours.param_groups for p in g["params"]}
     placed = sorted((id(p), g["weight_decay"], g["stream"]) for g in lever.param_groups for p in g["params"])
     assert [(i, wd) for i, wd, _ in placed] == sorted(decay.items()) and {s for *_, s in placed} == {0, 1}
-    lever.step()
-    for p, e in zip(model.parameters(), expected):
-        torch.testing.assert_close(p.detach(), e, rtol=0, atol=0)
-    for _ in range(10):
-        assert {g["lr"] for g in lever.param_groups} == {ours.param_groups[0]["lr"]}
-        ours_schedule.step()
-        schedule.step()
+    assert lrs == expected_lrs and len({lr for step in lrs for lr in step}) == 4  # warmup, then decay
+    for step, (ws, es) in enumerate(zip(weights, expected), 1):
+        for w, e in zip(ws, es):
+            torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
 
 
 def test_reduce_copy_in_times_copies_that_lay_out_fsdps_buffer_and_the_geometrys_units():

@@ -1,6 +1,7 @@
 """The Databricks surface: the shipped workload YAMLs (each, beside train.py alone, is the whole job), their
 parameters, MLflow, and the notebook entry point."""
 
+import hashlib
 import json
 import math
 import os
@@ -198,7 +199,8 @@ def test_train_py_flags_given_to_run_workload_reach_the_command_as_typed_or_are_
 def test_run_workload_writes_one_parameters_file_per_content_not_per_run(tmp_path):
     """tools/run_workload.py hands the parameters block to the command in $HYPERPARAMETERS_PATH's file, which the
     ranks read after the tool has become the command: two runs of one YAML share one file with its content (runs
-    leave no pile of them in the temp folder), and other parameters get a file of their own."""
+    leave no pile of them in the temp folder), other parameters get a file of their own, and so do parameters whose
+    file name another user's file (here a folder) has taken."""
     workload, files = tmp_path / "cat.yaml", []
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
@@ -211,6 +213,13 @@ def test_run_workload_writes_one_parameters_file_per_content_not_per_run(tmp_pat
         files.append(sorted(p.name for p in (tmp_path / "tmp").iterdir()))
     assert len(files[0]) == 1 and files[1] == files[0], files
     assert len(files[2]) == 2 and set(files[0]) < set(files[2]), files
+    parameters = {"max_steps": 40}  # its file's name taken by something the tool cannot replace: a file of its own
+    digest = hashlib.sha256(yaml.safe_dump(parameters).encode()).hexdigest()[:16]
+    (tmp_path / "tmp" / f"hyperparameters-{os.getuid()}-{digest}.yaml").mkdir()
+    spec = {"code_source": {"root_path": "."}, "parameters": parameters, "command": 'cat "$HYPERPARAMETERS_PATH"'}
+    workload.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run(tool, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and yaml.safe_load(proc.stdout) == parameters, proc.stdout + proc.stderr
 
 
 UNREACHABLE_HOSTNAME = 'import socket\nsocket.getfqdn = lambda name="": "0-unreachable.invalid"\n'

@@ -668,6 +668,7 @@ def test_auto_keeps_adamws_moments_where_they_fit_beside_the_forward_and_backwar
     config = moments_config(tokenizer)
     script = MOMENTS_RUN
     if non_finite_step_1:
+        assert script.count("result = train.train(sys.argv[1], step_hook=None)") == 1
         script = script.replace("result = train.train", NAN_AT_STEP_1 + "result = train.train")
         script = script.replace("step_hook=None", "step_hook=nan_at_step_1")
     proc = train_in_a_new_process(tmp_path, script, config, tokenizer, max_steps=4, export=False)

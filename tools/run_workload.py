@@ -86,9 +86,17 @@ def parameters_file(text: str) -> Path:
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"hyperparameters-{os.getuid()}-{digest}.yaml"
     handle, aside = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp", dir=path.parent)
-    os.write(handle, text.encode())
-    os.close(handle)
-    os.replace(aside, path)
+    try:
+        os.write(handle, text.encode())
+    except OSError:
+        os.unlink(aside)
+        raise
+    finally:
+        os.close(handle)
+    try:
+        os.replace(aside, path)
+    except OSError:  # the name is taken by something this user cannot replace: this run's own file serves
+        return Path(aside)
     return path
 
 
