@@ -148,31 +148,58 @@ def dealt(groups: list, k: int) -> list[list[dict]]:
     return [bucket for bucket in dealt if bucket]  # fewer than k where there are fewer parameters
 
 
-def fused_on_streams_step(groups: list, k: int):
-    """torch's fused AdamW over k buckets of the parameters (dealt), each bucket's optimizer stepped on a stream of its
-    own: each of the fused kernel's launches runs at most 320 blocks of 512 threads where its kernel arguments are
-    4 KB (multi_tensor_apply's limit for its four lists), each ending in a partial wave, so launches on k streams may
-    overlap where one stream's cannot. The moments are made on the current stream (a first step there), as a run's
-    would be."""
-    opts = [torch.optim.AdamW(bucket, lr=LR, weight_decay=WEIGHT_DECAY, fused=True) for bucket in dealt(groups, k)]
-    streams, main = [torch.cuda.Stream() for _ in opts], torch.cuda.current_stream()
+class AdamWOnStreams(torch.optim.AdamW):
+    """torch's fused AdamW whose param groups each name a stream (a "stream" index, as on_streams deals them). Once
+    every parameter with a gradient has its moments (made on the current stream, as train.py's are), each stream's
+    groups step on a CUDA stream of their own: each of the fused kernel's launches runs at most 320 blocks of 512
+    threads where its kernel arguments are 4 KB (multi_tensor_apply's limit for its four lists), each ending in a
+    partial wave, so launches on two streams may overlap where one stream's cannot. Each stream waits for the current
+    one before its step, and the current one for all after it. Optimizer hooks would run once for the step and once
+    for each stream's."""
 
+    def __init__(self, groups: list, **kwargs):
+        super().__init__(groups, fused=True, **kwargs)
+        self.streams = [torch.cuda.Stream() for _ in {g["stream"] for g in self.param_groups}]
+
+    def step(self, closure=None):
+        made = all(p in self.state for g in self.param_groups for p in g["params"] if p.grad is not None)
+        if not made:  # the moments made on the current stream (step 1)
+            return super().step()
+        groups, main = self.param_groups, torch.cuda.current_stream()
+        for i, stream in enumerate(self.streams):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                self.param_groups = [g for g in groups if g["stream"] == i]
+                try:
+                    super().step()
+                finally:
+                    self.param_groups = groups
+        for stream in self.streams:
+            main.wait_stream(stream)
+
+    def billions(self) -> list[float]:  # parameters on each stream, in billions
+        sizes = [0] * len(self.streams)
+        for g in self.param_groups:
+            sizes[g["stream"]] += sum(q.numel() for q in g["params"])
+        return [round(n / 1e9, 2) for n in sizes]
+
+
+def on_streams(groups: list, k: int) -> list[dict]:
+    """groups dealt into k buckets, each group naming its bucket's stream (AdamWOnStreams's groups)."""
+    return [{**group, "stream": i} for i, bucket in enumerate(dealt(groups, k)) for group in bucket]
+
+
+def fused_on_streams_step(groups: list, k: int):
+    """torch's fused AdamW over k buckets of the parameters, each on a stream of its own (AdamWOnStreams), with
+    train.py's grad_scale and found_inf; its first step makes the moments on the current stream, as a run's would."""
+    opt = AdamWOnStreams(on_streams(groups, k), lr=LR, weight_decay=WEIGHT_DECAY)
     no_inf = torch.zeros((), device="cuda")
 
     def step(scale):
-        for opt, stream in zip(opts, streams):
-            opt.grad_scale, opt.found_inf = scale, no_inf
-            if not opt.state:  # the moments allocated on the current stream, as in a run
-                opt.step()
-                continue
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                opt.step()
-        for stream in streams:
-            main.wait_stream(stream)
+        opt.grad_scale, opt.found_inf = scale, no_inf
+        opt.step()
 
-    sizes = [sum(q.numel() for g in opt.param_groups for q in g["params"]) / 1e9 for opt in opts]
-    print(f"adamw: fused-streams-{k}: buckets of {[round(n, 2) for n in sizes]} B parameters", flush=True)
+    print(f"adamw: fused-streams-{k}: buckets of {opt.billions()} B parameters", flush=True)
     return step
 
 

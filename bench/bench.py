@@ -199,40 +199,20 @@ def recompute_mixers(layers) -> None:
 
 
 def adamw_on_streams(make_optimizer, streams: int = 2):
-    """BENCH lever (adamw-streams): train.py's AdamW, its parameters dealt into `streams` buckets of about equal size
-    (bench/adamw_kernels.py's dealt), each bucket's groups stepped on a CUDA stream of its own after step 1 (whose
-    moments are made on the current stream): the fused kernel runs at most 320 blocks a launch where its kernel
-    arguments are 4 KB, and launches on two streams may overlap where one stream's cannot (bench/adamw_kernels.py
-    fused-streams-K). The scheduler is train.py's lambda over the new groups. Optimizer hooks (train.py registers
-    none) would run once for the step and once for each stream's."""
+    """BENCH lever (adamw-streams): train.py's AdamW rebuilt as bench/adamw_kernels.py's AdamWOnStreams, its
+    parameters dealt into `streams` buckets of about equal size, each bucket's groups stepped on a CUDA stream of its
+    own from step 2 (what fused-streams-K times alone). The scheduler is train.py's lambda over the new groups."""
     import torch
-    from adamw_kernels import dealt
-
-    class AdamWOnStreams(torch.optim.AdamW):
-        def step(self, closure=None):
-            made = all(p in self.state for g in self.param_groups for p in g["params"] if p.grad is not None)
-            if not made:  # the moments made on the current stream (step 1), as train.py's are
-                return super().step()
-            groups, main = self.param_groups, torch.cuda.current_stream()
-            for i, stream in enumerate(self.streams):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    self.param_groups = [g for g in groups if g["stream"] == i]
-                    try:
-                        super().step()
-                    finally:
-                        self.param_groups = groups
-            for stream in self.streams:
-                main.wait_stream(stream)
+    from adamw_kernels import AdamWOnStreams, on_streams
 
     def make(model, cfg, total_steps):
         optimizer, scheduler = make_optimizer(model, cfg, total_steps)
-        buckets = dealt(optimizer.param_groups, streams)
-        regrouped = [{**group, "stream": i} for i, bucket in enumerate(buckets) for group in bucket]
-        optimizer = AdamWOnStreams(regrouped, fused=True)
-        optimizer.streams = [torch.cuda.Stream() for _ in buckets]
-        sizes = [sum(q.numel() for g in bucket for q in g["params"]) / 1e9 for bucket in buckets]
-        print(f"bench: adamw-streams: {len(regrouped)} groups on {streams} streams, {sizes} B parameters", flush=True)
+        optimizer = AdamWOnStreams(on_streams(optimizer.param_groups, streams))
+        groups, streams_made = len(optimizer.param_groups), len(optimizer.streams)
+        print(
+            f"bench: adamw-streams: {groups} groups, {optimizer.billions()} B parameters on {streams_made} streams",
+            flush=True,
+        )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
 
     return make

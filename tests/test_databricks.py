@@ -201,25 +201,27 @@ def test_run_workload_writes_one_parameters_file_per_content_not_per_run(tmp_pat
     ranks read after the tool has become the command: two runs of one YAML share one file with its content (runs
     leave no pile of them in the temp folder), other parameters get a file of their own, and so do parameters whose
     file name another user's file (here a folder) has taken."""
-    workload, files = tmp_path / "cat.yaml", []
+    workload, tool = (
+        tmp_path / "cat.yaml",
+        [sys.executable, str(ROOT / "tools/run_workload.py"), str(tmp_path / "cat.yaml")],
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
-    for parameters in ({"max_steps": 20}, {"max_steps": 20}, {"max_steps": 30}):
+
+    def run(parameters: dict) -> list[str]:  # the temp folder's files after the run
         spec = {"code_source": {"root_path": "."}, "parameters": parameters, "command": 'cat "$HYPERPARAMETERS_PATH"'}
         workload.write_text(yaml.safe_dump(spec))
-        tool = [sys.executable, str(ROOT / "tools/run_workload.py"), str(workload)]
         proc = subprocess.run(tool, capture_output=True, text=True, timeout=60, env=env)
         assert proc.returncode == 0 and yaml.safe_load(proc.stdout) == parameters, proc.stdout + proc.stderr
-        files.append(sorted(p.name for p in (tmp_path / "tmp").iterdir()))
+        return sorted(p.name for p in (tmp_path / "tmp").iterdir())
+
+    files = [run({"max_steps": 20}), run({"max_steps": 20}), run({"max_steps": 30})]
     assert len(files[0]) == 1 and files[1] == files[0], files
     assert len(files[2]) == 2 and set(files[0]) < set(files[2]), files
     parameters = {"max_steps": 40}  # its file's name taken by something the tool cannot replace: a file of its own
     digest = hashlib.sha256(yaml.safe_dump(parameters).encode()).hexdigest()[:16]
     (tmp_path / "tmp" / f"hyperparameters-{os.getuid()}-{digest}.yaml").mkdir()
-    spec = {"code_source": {"root_path": "."}, "parameters": parameters, "command": 'cat "$HYPERPARAMETERS_PATH"'}
-    workload.write_text(yaml.safe_dump(spec))
-    proc = subprocess.run(tool, capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0 and yaml.safe_load(proc.stdout) == parameters, proc.stdout + proc.stderr
+    run(parameters)
 
 
 UNREACHABLE_HOSTNAME = 'import socket\nsocket.getfqdn = lambda name="": "0-unreachable.invalid"\n'
