@@ -8,7 +8,7 @@ Subcommands (bench/run_bench.sh strings them together; docs/BENCHMARKS.md has th
                             under torchrun: train.train(config), the recipe's own code path (packing, FSDP2,
                             loss, loop, metrics.jsonl), with the settings init: random (the geometry's own
                             initialiser, no checkpoint read), save_every: -1 and export: false; --lever NAME
-                            adds a step-time lever tried before train.py has it (keep-gathered, recompute-mixers)
+                            adds a step-time lever tried before train.py has it (--help lists them)
   seed SEED_PY              under torchrun: runs the seed script unchanged (runpy, BENCH_* variables from the
                             environment) with a global optimizer-step hook that prints when its first step ends
 Both recipes' random weights are created on the GPU; everything after that is each recipe's own.
@@ -31,6 +31,7 @@ Steady state: steps 1 and 2 are warm-up; averages are over steps >= 3 (the seed'
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -130,11 +131,12 @@ def cmd_ours(args) -> None:
             on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
             on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
-    for lever in args.lever:  # step-time levers tried here before train.py gets them (docs/BENCHMARKS.md)
+    for lever in sorted(args.lever):  # step-time levers tried before train.py has them (docs/BENCHMARKS.md); sorted:
+        # adamw-streams builds its optimizer before adamw-unclipped wraps its step
         from long_levers import on_each_built_model
 
-        if lever == "adamw-streams":
-            train.make_optimizer = adamw_on_streams(train.make_optimizer)
+        if lever in OPTIMIZER_LEVERS:
+            train.make_optimizer = OPTIMIZER_LEVERS[lever](train.make_optimizer)
         else:
             on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
@@ -218,7 +220,33 @@ def adamw_on_streams(make_optimizer, streams: int = 2):
     return make
 
 
+def adamw_unclipped(make_optimizer):
+    """BENCH lever (adamw-unclipped): train.py's fused AdamW given no grad_scale on a step whose gradient norm it does
+    not clip (train_step's scale is then 1, and dividing by 1 changes nothing), so that its kernel writes no gradient
+    back (4 bytes a parameter: 52.56 against 44.97 ms on the geometry, thirty-first round); the price is a host wait
+    for the norm before AdamW's dispatch, which the twenty-first round removed. Prints the steps clipped so far."""
+
+    def make(model, cfg, total_steps):
+        optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+        step, clipped = optimizer.step, []  # step: as the scheduler wrapped it (wraps copies its mark)
+
+        @functools.wraps(step)
+        def unclipped_step(*args, **kwargs):
+            clipped.append(bool(optimizer.grad_scale.item() > 1))  # the host waits for the norm here
+            if not clipped[-1]:  # 1, or NaN (found_inf then skips the step without it)
+                optimizer.grad_scale = None
+            if len(clipped) % 10 == 0:
+                print(f"bench: adamw-unclipped: {sum(clipped)} of {len(clipped)} steps clipped", flush=True)
+            return step(*args, **kwargs)
+
+        optimizer.step, optimizer.clipped = unclipped_step, clipped
+        return optimizer, scheduler
+
+    return make
+
+
 STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}
+OPTIMIZER_LEVERS = {"adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}
 
 
 def free_saved_shards(out: str):
@@ -985,7 +1013,7 @@ def main() -> None:
     p.add_argument("--profile-from", type=int, default=0, help="profile two steps from this one (rank 0)")
     p.add_argument("--mlp-tiles", type=int, default=0, help="recomputed layers' MLPs in tiles (bench/long_levers.py)")
     p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
-    levers = sorted([*STEP_LEVERS, "adamw-streams"])
+    levers = sorted([*STEP_LEVERS, *OPTIMIZER_LEVERS])
     p.add_argument("--lever", action="append", default=[], choices=levers, help="a step-time lever")
     p = sub.add_parser("seed")
     p.add_argument("script")

@@ -1,5 +1,6 @@
 """The benchmarks' own arithmetic, on CPU: what a benchmark times must be the work it names."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,65 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(monkeypatch):
     placed = sorted((id(p), g["weight_decay"], g["stream"]) for g in lever.param_groups for p in g["params"])
     assert [(i, wd) for i, wd, _ in placed] == sorted(decay.items()) and {s for *_, s in placed} == {0, 1}
     assert lrs == expected_lrs and len({lr for step in lrs for lr in step}) == 4  # warmup, then decay
+    for step, (ws, es) in enumerate(zip(weights, expected), 1):
+        for w, e in zip(ws, es):
+            torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("levers", [["adamw-unclipped"], ["adamw-unclipped", "adamw-streams"]])
+def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_norm_does_not_clip(levers, monkeypatch):
+    """bench.py's adamw-unclipped lever hands fused AdamW no grad_scale on a step whose scale is 1 (its kernel then
+    writes no gradient back) and train.py's scale on a clipped step: after each of 5 steps (scales 1, 2.5, 1, NaN's
+    skip, 1) the weights are train.py's optimizer's, bit for bit; also over adamw-streams' optimizer, in the order
+    bench.py applies the two."""
+    import contextlib
+
+    import bench
+    import train
+
+    class Stream:  # CUDA's stream calls, as a CPU run may make them
+        def wait_stream(self, other): ...
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    fused, scales_given = torch._fused_adamw_, []
+
+    def spy(*args, grad_scale=None, **kwargs):
+        scales_given.append(None if grad_scale is None else str(grad_scale.item()))  # str: NaN as "nan"
+        return fused(*args, grad_scale=grad_scale, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
+    model.get_input_embeddings = lambda: model[0]
+    cfg = train.Config(learning_rate=1e-2, warmup_steps=2)
+    start, scales = [p.detach().clone() for p in model.parameters()], [1.0, 2.5, 1.0, math.nan, 1.0]
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in scales]
+
+    def run(make_optimizer) -> tuple:
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), start):
+                p.copy_(t)
+        optimizer, schedule, weights = *make_optimizer(model, cfg, 10), []
+        for scale, step_grads in zip(scales, grads):
+            for p, g in zip(model.parameters(), step_grads):
+                p.grad = g.clone()
+            optimizer.grad_scale, optimizer.found_inf = torch.tensor(scale), torch.tensor(float(math.isnan(scale)))
+            optimizer.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+            schedule.step()
+        return optimizer, weights
+
+    _, expected = run(train.make_optimizer)
+    assert scales_given == [str(s) for s in scales for _ in range(2)]  # train.py's: a call per group
+    make_optimizer, scales_given[:] = train.make_optimizer, []
+    for lever in sorted(levers):  # as bench.py applies them
+        make_optimizer = bench.OPTIMIZER_LEVERS[lever](make_optimizer)
+    optimizer, weights = run(make_optimizer)
+    calls = len(optimizer.param_groups)  # a call per group (the streams' 3 here), each step
+    assert scales_given == [None] * calls + ["2.5"] * calls + [None] * 3 * calls
+    assert all(torch.equal(w, e) for w, e in zip(expected[3], expected[2]))  # NaN's step skipped (found_inf)
     for step, (ws, es) in enumerate(zip(weights, expected), 1):
         for w, e in zip(ws, es):
             torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
