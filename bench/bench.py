@@ -34,6 +34,7 @@ import argparse
 import functools
 import gzip
 import json
+import math
 import os
 import random
 import re
@@ -131,14 +132,11 @@ def cmd_ours(args) -> None:
             on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
             on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
-    for lever in sorted(args.lever):  # step-time levers tried before train.py has them (docs/BENCHMARKS.md); sorted:
-        # adamw-streams builds its optimizer before adamw-unclipped wraps its step
+    train.make_optimizer = with_optimizer_levers(train.make_optimizer, args.lever)
+    for lever in [lever for lever in args.lever if lever in STEP_LEVERS]:  # tried before train.py has them
         from long_levers import on_each_built_model
 
-        if lever in OPTIMIZER_LEVERS:
-            train.make_optimizer = OPTIMIZER_LEVERS[lever](train.make_optimizer)
-        else:
-            on_each_built_model(STEP_LEVERS[lever])
+        on_each_built_model(STEP_LEVERS[lever])
     hooks = [free_saved_shards(args.out)] if args.free_saved_shards else []
     hooks += [profile_two_steps(args.profile_from, Path(args.out))] if args.profile_from else []
     hooks += [memory_outside_torch()] if os.environ.get("BENCH_MEMINFO") else []  # (eighteenth round)
@@ -222,9 +220,11 @@ def adamw_on_streams(make_optimizer, streams: int = 2):
 
 def adamw_unclipped(make_optimizer):
     """BENCH lever (adamw-unclipped): train.py's fused AdamW given no grad_scale on a step whose gradient norm it does
-    not clip (train_step's scale is then 1, and dividing by 1 changes nothing), so that its kernel writes no gradient
-    back (4 bytes a parameter: 52.56 against 44.97 ms on the geometry, thirty-first round); the price is a host wait
-    for the norm before AdamW's dispatch, which the twenty-first round removed. Prints the steps clipped so far."""
+    not clip (train_step's scale is then 1, and dividing by 1 changes nothing) or whose norm is not finite (found_inf
+    skips that step whatever the scale), so that its kernel writes no gradient back: 4 bytes a parameter, 52.56
+    against 44.97 ms for the kernel alone on the geometry (thirty-first round, without found_inf). The price is a host
+    wait for the norm before AdamW's dispatch, which the twenty-first round removed; where every step clips (the
+    bench's random weights may), the lever only adds that wait. Prints the steps clipped so far."""
 
     def make(model, cfg, total_steps):
         optimizer, scheduler = make_optimizer(model, cfg, total_steps)
@@ -232,8 +232,9 @@ def adamw_unclipped(make_optimizer):
 
         @functools.wraps(step)
         def unclipped_step(*args, **kwargs):
-            clipped.append(bool(optimizer.grad_scale.item() > 1))  # the host waits for the norm here
-            if not clipped[-1]:  # 1, or NaN (found_inf then skips the step without it)
+            scale = optimizer.grad_scale.item() if getattr(optimizer, "grad_scale", None) is not None else 1.0
+            clipped.append(math.isfinite(scale) and scale > 1)  # the host waited for the norm (.item())
+            if not clipped[-1]:
                 optimizer.grad_scale = None
             if len(clipped) % 10 == 0:
                 print(f"bench: adamw-unclipped: {sum(clipped)} of {len(clipped)} steps clipped", flush=True)
@@ -246,7 +247,15 @@ def adamw_unclipped(make_optimizer):
 
 
 STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}
-OPTIMIZER_LEVERS = {"adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}
+OPTIMIZER_LEVERS = {"adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}  # applied in this order
+
+
+def with_optimizer_levers(make_optimizer, levers: list[str]):
+    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-streams builds an
+    optimizer of its own, so adamw-unclipped wraps that one's step."""
+    for name, lever in OPTIMIZER_LEVERS.items():
+        make_optimizer = lever(make_optimizer) if name in levers else make_optimizer
+    return make_optimizer
 
 
 def free_saved_shards(out: str):

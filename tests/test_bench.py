@@ -111,12 +111,15 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(monkeypatch):
             torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("levers", [["adamw-unclipped"], ["adamw-unclipped", "adamw-streams"]])
+@pytest.mark.filterwarnings("error")  # e.g. the scheduler's, were the lever's step not marked as its wrapper
+@pytest.mark.parametrize(
+    "levers", [["adamw-unclipped"], ["adamw-unclipped", "adamw-streams"], ["adamw-streams", "adamw-unclipped"]]
+)
 def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_norm_does_not_clip(levers, monkeypatch):
     """bench.py's adamw-unclipped lever hands fused AdamW no grad_scale on a step whose scale is 1 (its kernel then
-    writes no gradient back) and train.py's scale on a clipped step: after each of 5 steps (scales 1, 2.5, 1, NaN's
-    skip, 1) the weights are train.py's optimizer's, bit for bit; also over adamw-streams' optimizer, in the order
-    bench.py applies the two."""
+    writes no gradient back), nor on a non-finite one (found_inf skips it), and train.py's scale on a clipped step:
+    after each of 6 steps (scales 1, 2.5, 1, NaN's skip, inf's skip, 1) the weights are train.py's optimizer's, bit
+    for bit; also over adamw-streams' optimizer, the levers applied as bench.py applies them, in either order."""
     import contextlib
 
     import bench
@@ -139,7 +142,7 @@ def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_nor
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
     model.get_input_embeddings = lambda: model[0]
     cfg = train.Config(learning_rate=1e-2, warmup_steps=2)
-    start, scales = [p.detach().clone() for p in model.parameters()], [1.0, 2.5, 1.0, math.nan, 1.0]
+    start, scales = [p.detach().clone() for p in model.parameters()], [1.0, 2.5, 1.0, math.nan, math.inf, 1.0]
     grads = [[torch.randn_like(p) for p in model.parameters()] for _ in scales]
 
     def run(make_optimizer) -> tuple:
@@ -150,7 +153,10 @@ def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_nor
         for scale, step_grads in zip(scales, grads):
             for p, g in zip(model.parameters(), step_grads):
                 p.grad = g.clone()
-            optimizer.grad_scale, optimizer.found_inf = torch.tensor(scale), torch.tensor(float(math.isnan(scale)))
+            optimizer.grad_scale, optimizer.found_inf = (
+                torch.tensor(scale),
+                torch.tensor(float(not math.isfinite(scale))),
+            )
             optimizer.step()
             weights.append([p.detach().clone() for p in model.parameters()])
             schedule.step()
@@ -158,13 +164,12 @@ def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_nor
 
     _, expected = run(train.make_optimizer)
     assert scales_given == [str(s) for s in scales for _ in range(2)]  # train.py's: a call per group
-    make_optimizer, scales_given[:] = train.make_optimizer, []
-    for lever in sorted(levers):  # as bench.py applies them
-        make_optimizer = bench.OPTIMIZER_LEVERS[lever](make_optimizer)
-    optimizer, weights = run(make_optimizer)
+    scales_given[:] = []
+    optimizer, weights = run(bench.with_optimizer_levers(train.make_optimizer, levers))
     calls = len(optimizer.param_groups)  # a call per group (the streams' 3 here), each step
-    assert scales_given == [None] * calls + ["2.5"] * calls + [None] * 3 * calls
-    assert all(torch.equal(w, e) for w, e in zip(expected[3], expected[2]))  # NaN's step skipped (found_inf)
+    assert scales_given == [None] * calls + ["2.5"] * calls + [None] * 4 * calls
+    for skipped in (3, 4):  # NaN's and inf's steps (found_inf)
+        assert all(torch.equal(w, e) for w, e in zip(expected[skipped], expected[skipped - 1]))
     for step, (ws, es) in enumerate(zip(weights, expected), 1):
         for w, e in zip(ws, es):
             torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
