@@ -224,7 +224,7 @@ def adamw_unclipped(make_optimizer):
     skips that step whatever the scale), so that its kernel writes no gradient back: 4 bytes a parameter, 52.56
     against 44.97 ms for the kernel alone on the geometry (thirty-first round, without found_inf). The price is a host
     wait for the norm before AdamW's dispatch, which the twenty-first round removed; where every step clips (the
-    bench's random weights may), the lever only adds that wait. Prints the steps clipped so far."""
+    bench's random weights do: thirty-second round), the lever only adds that wait. Prints the steps clipped so far."""
 
     def make(model, cfg, total_steps):
         optimizer, scheduler = make_optimizer(model, cfg, total_steps)
