@@ -61,22 +61,27 @@ def test_adamw_kernels_streams_variant_deals_every_parameter_once_in_its_group()
         assert len(buckets) == k and max(sizes) - min(sizes) <= 900, (k, sizes)
 
 
-def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(monkeypatch):
-    """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 buckets: every parameter once, with its own
-    group's weight decay, the same learning rate at every step of the schedule, and the same weights as train.py's
-    optimizer after each of 4 steps: step 1 on the current stream (the moments made there), the later ones each
-    bucket on its stream (CUDA's streams stand-ins here: the buckets' steps one after another on CPU)."""
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    """Stand-ins for CUDA's stream calls, as a CPU run may make them: the streams' steps run one after another."""
     import contextlib
 
-    import bench
-    import train
-
-    class Stream:  # CUDA's stream calls, as a CPU run may make them
+    class Stream:
         def wait_stream(self, other): ...
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(cpu_streams):
+    """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 buckets: every parameter once, with its own
+    group's weight decay, the same learning rate at every step of the schedule, and the same weights as train.py's
+    optimizer after each of 4 steps: step 1 on the current stream (the moments made there), the later ones each
+    bucket on its stream (CUDA's streams stand-ins here: the buckets' steps one after another on CPU)."""
+    import bench
+    import train
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
     model.get_input_embeddings = lambda: model[0]
@@ -115,22 +120,16 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(monkeypatch):
 @pytest.mark.parametrize(
     "levers", [["adamw-unclipped"], ["adamw-unclipped", "adamw-streams"], ["adamw-streams", "adamw-unclipped"]]
 )
-def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_norm_does_not_clip(levers, monkeypatch):
+def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_norm_does_not_clip(
+    levers, cpu_streams, monkeypatch
+):
     """bench.py's adamw-unclipped lever hands fused AdamW no grad_scale on a step whose scale is 1 (its kernel then
     writes no gradient back), nor on a non-finite one (found_inf skips it), and train.py's scale on a clipped step:
     after each of 6 steps (scales 1, 2.5, 1, NaN's skip, inf's skip, 1) the weights are train.py's optimizer's, bit
     for bit; also over adamw-streams' optimizer, the levers applied as bench.py applies them, in either order."""
-    import contextlib
-
     import bench
     import train
 
-    class Stream:  # CUDA's stream calls, as a CPU run may make them
-        def wait_stream(self, other): ...
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     fused, scales_given = torch._fused_adamw_, []
 
     def spy(*args, grad_scale=None, **kwargs):
