@@ -74,6 +74,30 @@ def cpu_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
 
 
+def stepped(make_optimizer, scales: list[float]) -> tuple:
+    """train.py's make_optimizer, or a lever's, over a tiny embedding, linear and norm model (the same weights and
+    seeded gradients each call), one step a scale as train_step gives it (grad_scale, and found_inf where it is not
+    finite): (the model, the optimizer, the weights after each step, each step's learning rates)."""
+    import train
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
+    model.get_input_embeddings = lambda: model[0]
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in scales]
+    optimizer, schedule = make_optimizer(model, train.Config(learning_rate=1e-2, warmup_steps=2), 10)
+    weights, lrs = [], []
+    for scale, step_grads in zip(scales, grads):
+        for p, g in zip(model.parameters(), step_grads):
+            p.grad = g.clone()
+        optimizer.grad_scale = torch.tensor(scale)  # train.py's clipping, through the fused kernel
+        optimizer.found_inf = torch.tensor(float(not math.isfinite(scale)))
+        optimizer.step()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        lrs.append({g["lr"] for g in optimizer.param_groups})
+        schedule.step()
+    return model, optimizer, weights, lrs
+
+
 def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(cpu_streams):
     """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 buckets: every parameter once, with its own
     group's weight decay, the same learning rate at every step of the schedule, and the same weights as train.py's
@@ -82,33 +106,11 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(cpu_streams):
     import bench
     import train
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
-    model.get_input_embeddings = lambda: model[0]
-    cfg = train.Config(learning_rate=1e-2, warmup_steps=2)
-    start, grads = [p.detach().clone() for p in model.parameters()], []
-    for _ in range(4):
-        grads.append([torch.randn_like(p) for p in model.parameters()])
-
-    def run(make_optimizer) -> tuple:
-        with torch.no_grad():
-            for p, t in zip(model.parameters(), start):
-                p.copy_(t)
-        optimizer, schedule, weights, lrs = *make_optimizer(model, cfg, 10), [], []
-        for step_grads in grads:
-            for p, g in zip(model.parameters(), step_grads):
-                p.grad = g.clone()
-            optimizer.grad_scale = torch.tensor(1.5)  # train.py's clipping, through the fused kernel
-            optimizer.step()
-            weights.append([p.detach().clone() for p in model.parameters()])
-            lrs.append({g["lr"] for g in optimizer.param_groups})
-            schedule.step()
-        return optimizer, weights, lrs
-
-    ours, expected, expected_lrs = run(train.make_optimizer)
-    lever, weights, lrs = run(bench.adamw_on_streams(train.make_optimizer))
-    decay = {id(p): g["weight_decay"] for g in ours.param_groups for p in g["params"]}
-    placed = sorted((id(p), g["weight_decay"], g["stream"]) for g in lever.param_groups for p in g["params"])
+    model, ours, expected, expected_lrs = stepped(train.make_optimizer, [1.5] * 4)
+    lever_model, lever, weights, lrs = stepped(bench.adamw_on_streams(train.make_optimizer), [1.5] * 4)
+    at, lever_at = ({id(p): i for i, p in enumerate(m.parameters())} for m in (model, lever_model))  # model order
+    decay = {at[id(p)]: g["weight_decay"] for g in ours.param_groups for p in g["params"]}
+    placed = sorted((lever_at[id(p)], g["weight_decay"], g["stream"]) for g in lever.param_groups for p in g["params"])
     assert [(i, wd) for i, wd, _ in placed] == sorted(decay.items()) and {s for *_, s in placed} == {0, 1}
     assert lrs == expected_lrs and len({lr for step in lrs for lr in step}) == 4  # warmup, then decay
     for step, (ws, es) in enumerate(zip(weights, expected), 1):
@@ -137,34 +139,11 @@ def test_adamw_unclipped_lever_gives_fused_adamw_no_grad_scale_on_a_step_the_nor
         return fused(*args, grad_scale=grad_scale, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", spy)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
-    model.get_input_embeddings = lambda: model[0]
-    cfg = train.Config(learning_rate=1e-2, warmup_steps=2)
-    start, scales = [p.detach().clone() for p in model.parameters()], [1.0, 2.5, 1.0, math.nan, math.inf, 1.0]
-    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in scales]
-
-    def run(make_optimizer) -> tuple:
-        with torch.no_grad():
-            for p, t in zip(model.parameters(), start):
-                p.copy_(t)
-        optimizer, schedule, weights = *make_optimizer(model, cfg, 10), []
-        for scale, step_grads in zip(scales, grads):
-            for p, g in zip(model.parameters(), step_grads):
-                p.grad = g.clone()
-            optimizer.grad_scale, optimizer.found_inf = (
-                torch.tensor(scale),
-                torch.tensor(float(not math.isfinite(scale))),
-            )
-            optimizer.step()
-            weights.append([p.detach().clone() for p in model.parameters()])
-            schedule.step()
-        return optimizer, weights
-
-    _, expected = run(train.make_optimizer)
+    scales = [1.0, 2.5, 1.0, math.nan, math.inf, 1.0]
+    *_, expected, _ = stepped(train.make_optimizer, scales)
     assert scales_given == [str(s) for s in scales for _ in range(2)]  # train.py's: a call per group
     scales_given[:] = []
-    optimizer, weights = run(bench.with_optimizer_levers(train.make_optimizer, levers))
+    _, optimizer, weights, _ = stepped(bench.with_optimizer_levers(train.make_optimizer, levers), scales)
     calls = len(optimizer.param_groups)  # a call per group (the streams' 3 here), each step
     assert scales_given == [None] * calls + ["2.5"] * calls + [None] * 4 * calls
     for skipped in (3, 4):  # NaN's and inf's steps (found_inf)
