@@ -132,7 +132,7 @@ def cmd_ours(args) -> None:
             on_each_built_model(lambda layers: tile_mlps(layers, args.mlp_tiles))
         if args.saved_on_host_mib:
             on_each_built_model(lambda layers: SavedOnHost(layers, args.saved_on_host_mib << 20))
-    train.make_optimizer = with_optimizer_levers(train.make_optimizer, args.lever)
+    train.make_optimizer = with_optimizer_levers(train.make_optimizer, args.lever, args.adamw_streams)
     for lever in [lever for lever in args.lever if lever in STEP_LEVERS]:  # tried before train.py has them
         from long_levers import on_each_built_model
 
@@ -250,11 +250,12 @@ STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mix
 OPTIMIZER_LEVERS = {"adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}  # applied in this order
 
 
-def with_optimizer_levers(make_optimizer, levers: list[str]):
-    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-streams builds an
-    optimizer of its own, so adamw-unclipped wraps that one's step."""
+def with_optimizer_levers(make_optimizer, levers: list[str], streams: int = 2):
+    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-streams (on
+    `streams` CUDA streams) builds an optimizer of its own, so adamw-unclipped wraps that one's step."""
     for name, lever in OPTIMIZER_LEVERS.items():
-        make_optimizer = lever(make_optimizer) if name in levers else make_optimizer
+        if name in levers:
+            make_optimizer = lever(make_optimizer, streams) if name == "adamw-streams" else lever(make_optimizer)
     return make_optimizer
 
 
@@ -1024,6 +1025,7 @@ def main() -> None:
     p.add_argument("--saved-on-host-mib", type=int, default=0, help="recomputed layers' inputs this large on the host")
     levers = sorted([*STEP_LEVERS, *OPTIMIZER_LEVERS])
     p.add_argument("--lever", action="append", default=[], choices=levers, help="a step-time lever")
+    p.add_argument("--adamw-streams", type=int, default=2, help="the CUDA streams of --lever adamw-streams")
     p = sub.add_parser("seed")
     p.add_argument("script")
     p = sub.add_parser("layers")

@@ -98,8 +98,9 @@ def stepped(make_optimizer, scales: list[float]) -> tuple:
     return model, optimizer, weights, lrs
 
 
-def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(cpu_streams):
-    """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 buckets: every parameter once, with its own
+@pytest.mark.parametrize("streams", [2, 3])
+def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(streams, cpu_streams):
+    """bench.py's adamw-streams lever rebuilds train.py's AdamW over 2 or 3 buckets: every parameter once, with its own
     group's weight decay, the same learning rate at every step of the schedule, and the same weights as train.py's
     optimizer after each of 4 steps: step 1 on the current stream (the moments made there), the later ones each
     bucket on its stream (CUDA's streams stand-ins here: the buckets' steps one after another on CPU)."""
@@ -107,11 +108,12 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(cpu_streams):
     import train
 
     model, ours, expected, expected_lrs = stepped(train.make_optimizer, [1.5] * 4)
-    lever_model, lever, weights, lrs = stepped(bench.adamw_on_streams(train.make_optimizer), [1.5] * 4)
+    made = bench.with_optimizer_levers(train.make_optimizer, ["adamw-streams"], streams)  # --adamw-streams
+    lever_model, lever, weights, lrs = stepped(made, [1.5] * 4)
     at, lever_at = ({id(p): i for i, p in enumerate(m.parameters())} for m in (model, lever_model))  # model order
     decay = {at[id(p)]: g["weight_decay"] for g in ours.param_groups for p in g["params"]}
     placed = sorted((lever_at[id(p)], g["weight_decay"], g["stream"]) for g in lever.param_groups for p in g["params"])
-    assert [(i, wd) for i, wd, _ in placed] == sorted(decay.items()) and {s for *_, s in placed} == {0, 1}
+    assert [(i, wd) for i, wd, _ in placed] == sorted(decay.items()) and {s for *_, s in placed} == set(range(streams))
     assert lrs == expected_lrs and len({lr for step in lrs for lr in step}) == 4  # warmup, then decay
     for step, (ws, es) in enumerate(zip(weights, expected), 1):
         for w, e in zip(ws, es):
