@@ -198,7 +198,7 @@ def recompute_mixers(layers) -> None:
         mixer.recomputed = True
 
 
-def adamw_on_streams(make_optimizer, streams: int = 2):
+def adamw_on_streams(make_optimizer, streams: int):
     """BENCH lever (adamw-streams): train.py's AdamW rebuilt as bench/adamw_kernels.py's AdamWOnStreams, its
     parameters dealt into `streams` buckets of about equal size, each bucket's groups stepped on a CUDA stream of its
     own from step 2 (what fused-streams-K times alone). The scheduler is train.py's lambda over the new groups."""
