@@ -7,7 +7,8 @@ GPU), timed on the GPU alone: how close each implementation comes to the memory 
 Prints one line per implementation: ms per step, and the GB/s of the bytes an update must move (param, gradient
 and the two moments read; param and moments written: 28 bytes a parameter in fp32). torch's fused AdamW, with
 train.py's grad_scale (its kernel then writes the gradients back too) and without, and torch's foreach AdamW always
-run; the variants are compiled ones or fused-streams-K (docs/BENCHMARKS.md, nineteenth and thirty-first rounds)."""
+run; the variants are compiled ones, fused-streams-K or adamw-triton (docs/BENCHMARKS.md, nineteenth, thirty-first
+and thirty-fourth rounds)."""
 
 import argparse
 import time
@@ -90,6 +91,8 @@ def main() -> None:
         t = time.perf_counter()
         if variant.startswith("fused-streams"):  # fused-streams-K
             step = fused_on_streams_step(groups, int(variant.rsplit("-", 1)[1]))
+        elif variant == "adamw-triton":  # bench/adamw_triton.py's TritonAdamW, as the adamw-triton lever steps it
+            step = adamw_triton_step(groups)
         elif variant.startswith("triton"):  # triton-BLOCK-WARPS
             _, block, warps = variant.split("-")
             step = triton_step(params, groups, int(block), int(warps))
@@ -201,6 +204,20 @@ def fused_on_streams_step(groups: list, k: int):
         opt.step()
 
     print(f"adamw: fused-streams-{k}: buckets of {opt.billions()} B parameters", flush=True)
+    return step
+
+
+def adamw_triton_step(groups: list):
+    """TritonAdamW: torch's fused AdamW at its first step (which makes the moments), then its Triton kernel."""
+    from adamw_triton import TritonAdamW
+
+    opt = TritonAdamW([{**g} for g in groups], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    opt.found_inf = torch.zeros((), device="cuda")
+
+    def step(scale):
+        opt.grad_scale = scale
+        opt.step()
+
     return step
 
 

@@ -246,13 +246,30 @@ def adamw_unclipped(make_optimizer):
     return make
 
 
+def adamw_triton(make_optimizer):
+    """BENCH lever (adamw-triton): train.py's AdamW rebuilt as bench/adamw_triton.py's TritonAdamW over the same groups
+    and schedule: torch's fused AdamW whose GPU update from step 2 is one Triton kernel a tensor, with train.py's
+    clipping and no gradient written back."""
+    import torch
+    from adamw_triton import TritonAdamW
+
+    def make(model, cfg, total_steps):
+        optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+        optimizer = TritonAdamW(optimizer.param_groups, fused=True)
+        print(f"bench: adamw-triton: {len(optimizer.param_groups)} groups", flush=True)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+
+    return make
+
+
 STEP_LEVERS = {"keep-gathered": keep_gathered, "recompute-mixers": recompute_mixers}
-OPTIMIZER_LEVERS = {"adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}  # applied in this order
+OPTIMIZER_LEVERS = {"adamw-triton": adamw_triton, "adamw-streams": adamw_on_streams, "adamw-unclipped": adamw_unclipped}
 
 
 def with_optimizer_levers(make_optimizer, levers: list[str], streams: int = 2):
-    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-streams (on
-    `streams` CUDA streams) builds an optimizer of its own, so adamw-unclipped wraps that one's step."""
+    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-triton and
+    adamw-streams (on `streams` CUDA streams) build an optimizer of their own (one of them), so adamw-unclipped wraps
+    that one's step."""
     for name, lever in OPTIMIZER_LEVERS.items():
         if name in levers:
             make_optimizer = lever(make_optimizer, streams) if name == "adamw-streams" else lever(make_optimizer)

@@ -120,6 +120,33 @@ def test_adamw_streams_lever_regroups_and_steps_as_trains_adamw(streams, cpu_str
             torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
 
 
+@pytest.mark.filterwarnings("error")  # e.g. the scheduler's: the rebuilt optimizer's step must be the one it wraps
+def test_adamw_triton_lever_rebuilds_trains_adamw_as_triton_adamw(monkeypatch):
+    """bench.py's adamw-triton lever rebuilds train.py's AdamW as bench/adamw_triton.py's TritonAdamW over the same
+    groups (weight decay on each as train.py's) and schedule: on CPU, where it steps as torch's fused AdamW, the same
+    weights and learning rates after each of 4 steps (a NaN's skip among them); with tensors that say they are on a
+    GPU, its kernel from step 2 (tests/test_adamw_triton.py checks the kernel's update)."""
+    from adamw_triton import TritonAdamW
+
+    import bench
+    import train
+
+    made = bench.with_optimizer_levers(train.make_optimizer, ["adamw-triton"])
+    model, ours, expected, expected_lrs = stepped(train.make_optimizer, [1.5, 1.0, math.nan, 2.0])
+    _, lever, weights, lrs = stepped(made, [1.5, 1.0, math.nan, 2.0])
+    assert type(lever) is TritonAdamW and all(g["fused"] for g in lever.param_groups)
+    assert [g["weight_decay"] for g in lever.param_groups] == [g["weight_decay"] for g in ours.param_groups]
+    assert lrs == expected_lrs and len({lr for step in lrs for lr in step}) == 4  # warmup, then decay
+    for step, (ws, es) in enumerate(zip(weights, expected), 1):
+        for w, e in zip(ws, es):
+            torch.testing.assert_close(w, e, rtol=0, atol=0, msg=f"step {step}")
+    kernel_steps = []
+    monkeypatch.setattr(TritonAdamW, "triton_step", lambda self: kernel_steps.append(1))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    stepped(made, [1.5, 1.0, 2.0])
+    assert len(kernel_steps) == 2
+
+
 @pytest.mark.filterwarnings("error")  # e.g. the scheduler's, were the lever's step not marked as its wrapper
 @pytest.mark.parametrize(
     "levers", [["adamw-unclipped"], ["adamw-unclipped", "adamw-streams"], ["adamw-streams", "adamw-unclipped"]]

@@ -61,7 +61,7 @@ def test_dry_run_resolves_the_installs_and_patches_causal_conv1d_for_this_gpu_on
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     would_install = re.search(r"^Would install (.*)$", proc.stdout, re.M)
     assert would_install and "flash-linear-attention-0.6.0" in would_install[1], proc.stdout[-3000:]
-    # tilelang only where fla's Triton backward is refused: Hopper (this venv has no Triton >= 3.7.1)
+    # tilelang only where fla's Triton backward is refused: Hopper (this venv has Triton 3.6.0: requirements-dev.txt)
     assert ("tilelang-0.1.15" in would_install[1]) == (arch == "90")
     src = re.search(rf"^dry run: would compile (\S+) for sm_{arch} and install it", proc.stdout, re.M)
     assert src and re.search(rf"causal-conv1d-1.7.0-\S+-sm{arch} \(once per", proc.stdout), proc.stdout[-2000:]
