@@ -5,13 +5,16 @@ Why: train.py clips inside torch's fused kernel (its grad_scale), and that kerne
 back, 4 bytes a parameter that zero_grad frees at once; in torch builds whose multi_tensor_apply launches 320 blocks
 at a time it also leaves the GPU part idle (docs/BENCHMARKS.md, thirty-first to thirty-fourth rounds). This kernel
 reads the parameter, gradient and moments and writes the parameter and moments: 28 bytes a fp32 parameter.
-Not in train.py: it is 45 lines, and train.py is at its 2,100-line cap (the recipe issue's shape); on 8 ranks of the
-27B, where each rank updates an eighth of the parameters, it is about 0.2% of a step.
+Not in train.py: it is about 45 lines, and train.py is at its 2,100-line cap (the recipe issue's shape); on 8 ranks
+of the 27B, where each rank updates an eighth of the parameters, it would save about 0.1% of a step.
 
 The class keeps torch's AdamW whole (its state, its state_dict and so train.py's checkpoints, its CPU kernel, step 1
 that makes the moments) and replaces only the GPU update from step 2, which it computes as torch's CUDA kernel does
-(fp32 math, fma for the moments; the bias corrections' powers as exp2(t * log2(beta))). train_step's grad_scale
-(the clipping's divisor) and found_inf (1: no update, the step not counted) are read on the GPU, as torch's are.
+in fp32, to within rounding: fma for the moments as there, but Triton's fast square root and division, and the bias
+corrections' powers as exp2(t * log2(beta)) (with train.py's betas, 0.9 and 0.95, a few parts in a million of an
+update at step 1, less later). train_step's grad_scale (the clipping's divisor) and found_inf (1: no update, the
+step not counted) are read on the GPU, as torch's are; without them (or with amsgrad, maximize, a closure, or
+tensor hyperparameters) a step is torch's.
 tests/test_adamw_triton.py checks it against torch's fused AdamW: on CPU in Triton's interpreter, on a GPU as is."""
 
 from functools import cache
@@ -22,10 +25,20 @@ from torch.distributed.tensor import DTensor
 
 
 class TritonAdamW(torch.optim.AdamW):
-    def step(self, closure=None):  # step 1 makes the moments (torch's); a resume loads them
+    def step(self, closure=None):
+        """torch's step where the kernel does not apply: on CPU; at step 1, which makes the moments (a resume loads
+        them); without train_step's grad_scale and found_inf; with amsgrad, maximize, a closure or tensor settings."""
         trained = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         on_gpu = all(p.is_cuda and p in self.state for p in trained) and find_spec("triton") is not None
-        return self.triton_step() if on_gpu else super().step(closure)
+        as_kernel = closure is None and all(
+            not group["amsgrad"]
+            and not group["maximize"]
+            and all(isinstance(group[k], float) for k in ("lr", "eps"))
+            and all(isinstance(beta, float) for beta in group["betas"])
+            for group in self.param_groups
+        )
+        clipping = getattr(self, "grad_scale", None) is not None and getattr(self, "found_inf", None) is not None
+        return self.triton_step() if on_gpu and as_kernel and clipping else super().step(closure)
 
     @torch.no_grad()
     def triton_step(self) -> None:

@@ -267,9 +267,13 @@ OPTIMIZER_LEVERS = {"adamw-triton": adamw_triton, "adamw-streams": adamw_on_stre
 
 
 def with_optimizer_levers(make_optimizer, levers: list[str], streams: int = 2):
-    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-triton and
-    adamw-streams (on `streams` CUDA streams) build an optimizer of their own (one of them), so adamw-unclipped wraps
-    that one's step."""
+    """make_optimizer with the optimizer levers named in levers, in OPTIMIZER_LEVERS's order: adamw-streams (on
+    `streams` CUDA streams) builds an optimizer of its own, so adamw-unclipped wraps that one's step; adamw-triton
+    builds its own too, and goes alone."""
+    if "adamw-triton" in levers and len(set(levers) & set(OPTIMIZER_LEVERS)) > 1:  # each needs torch's fused kernel
+        sys.exit(
+            "bench: --lever adamw-triton replaces torch's fused AdamW; it does not combine with the other AdamW levers"
+        )
     for name, lever in OPTIMIZER_LEVERS.items():
         if name in levers:
             make_optimizer = lever(make_optimizer, streams) if name == "adamw-streams" else lever(make_optimizer)

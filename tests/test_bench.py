@@ -145,6 +145,9 @@ def test_adamw_triton_lever_rebuilds_trains_adamw_as_triton_adamw(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     stepped(made, [1.5, 1.0, 2.0])
     assert len(kernel_steps) == 2
+    for other in ("adamw-streams", "adamw-unclipped"):  # each would run torch's fused kernel, or none, unsaid
+        with pytest.raises(SystemExit, match="does not combine"):
+            bench.with_optimizer_levers(train.make_optimizer, ["adamw-triton", other])
 
 
 @pytest.mark.filterwarnings("error")  # e.g. the scheduler's, were the lever's step not marked as its wrapper
