@@ -146,3 +146,15 @@ def test_adamw_steps_as_torch_where_the_kernel_does_not_apply(case, monkeypatch)
         group.update(lr=1e-2, amsgrad=False, maximize=False)
     optimizer.step()
     assert kernel_steps == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamws_triton_kernel_steps_as_torchs_fused_adamw_on_the_gpu(dtype, monkeypatch):
+    """step() takes the kernel from step 2 on CUDA, and leaves what torch's CUDA kernel leaves (its formulas)."""
+    kernel_steps, triton_step = [], TritonAdamW.triton_step
+    monkeypatch.setattr(TritonAdamW, "triton_step", lambda self: kernel_steps.append(1) or triton_step(self))
+    steps = 6 if dtype == torch.float32 else 2
+    ours, torch_s = stepped_beside_torch("cuda", dtype, steps)
+    assert len(kernel_steps) == steps - 1  # step 1 makes the moments: torch's
+    assert_same(ours, torch_s, steps)
