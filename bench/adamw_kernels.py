@@ -197,25 +197,23 @@ def fused_on_streams_step(groups: list, k: int):
     """torch's fused AdamW over k buckets of the parameters, each on a stream of its own (AdamWOnStreams), with
     train.py's grad_scale and found_inf; its first step makes the moments on the current stream, as a run's would."""
     opt = AdamWOnStreams(on_streams(groups, k), lr=LR, weight_decay=WEIGHT_DECAY)
-    no_inf = torch.zeros((), device="cuda")
-
-    def step(scale):
-        opt.grad_scale, opt.found_inf = scale, no_inf
-        opt.step()
-
     print(f"adamw: fused-streams-{k}: buckets of {opt.billions()} B parameters", flush=True)
-    return step
+    return clipped_step(opt)
 
 
 def adamw_triton_step(groups: list):
     """TritonAdamW: torch's fused AdamW at its first step (which makes the moments), then its Triton kernel."""
     from adamw_triton import TritonAdamW
 
-    opt = TritonAdamW([{**g} for g in groups], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    opt.found_inf = torch.zeros((), device="cuda")
+    return clipped_step(TritonAdamW([{**g} for g in groups], lr=LR, weight_decay=WEIGHT_DECAY, fused=True))
+
+
+def clipped_step(opt):
+    """opt's step as train_step gives it: the clipping's grad_scale, and found_inf 0 (a finite norm)."""
+    no_inf = torch.zeros((), device="cuda")
 
     def step(scale):
-        opt.grad_scale = scale
+        opt.grad_scale, opt.found_inf = scale, no_inf
         opt.step()
 
     return step
