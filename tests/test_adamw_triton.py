@@ -16,6 +16,15 @@ BAD_STEP = 4  # its gradients hold a NaN: the norm is not finite, and train_step
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernel built anew in Triton's interpreter for the test, and again after it (a GPU's, for later tests)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    adamw_kernel.cache_clear()
+    yield
+    adamw_kernel.cache_clear()
+
+
 def stepped_beside_torch(device: str, dtype: torch.dtype, steps: int = 6, call=TritonAdamW.step):
     """(ours, torch's): the two optimizers after `steps` steps. `call` steps ours from step 2 on (step 1, which makes
     the moments, is always step())."""
@@ -69,15 +78,10 @@ def assert_same(ours, torch_s, steps: int, interpreted: bool = False) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adamws_triton_kernel_steps_as_torchs_fused_adamw_in_tritons_interpreter(dtype, monkeypatch):
+def test_adamws_triton_kernel_steps_as_torchs_fused_adamw_in_tritons_interpreter(dtype, interpreted):
     """fp32 over 6 steps; bf16 over one step of the kernel (step 2): truncation leaves it a unit apart."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    adamw_kernel.cache_clear()  # built anew, interpreted; and again after the test (a GPU's)
     steps = 6 if dtype == torch.float32 else 2
-    try:
-        ours, torch_s = stepped_beside_torch("cpu", dtype, steps, call=TritonAdamW.triton_step)
-    finally:
-        adamw_kernel.cache_clear()
+    ours, torch_s = stepped_beside_torch("cpu", dtype, steps, call=TritonAdamW.triton_step)
     assert_same(ours, torch_s, steps, interpreted=True)
 
 
@@ -88,33 +92,26 @@ def test_adamw_is_torchs_fused_adamw_on_cpu():
         assert torch.equal(a, b)
 
 
-def test_adamws_triton_kernel_updates_fsdps_sharded_parameters_in_place(world_of_one, monkeypatch):
+def test_adamws_triton_kernel_updates_fsdps_sharded_parameters_in_place(world_of_one, interpreted):
     """On FSDP2's parameters (DTensors; a gloo world of one here), each local shard, its gradient and moments go to the
     kernel, which updates them in place: two steps of a sharded Linear and LayerNorm, the second the kernel's, leave
     the weights of torch's fused AdamW on the same model (fp32, as assert_same)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    adamw_kernel.cache_clear()
     made, x = [], torch.randn(8, 16)
     for make in (TritonAdamW, torch.optim.AdamW):
         torch.manual_seed(0)
         model = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32)))
         made.append((model, make(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)))
-    try:
-        for step in (1, 2):
-            if step == 2:
-                after_step_1 = [p.to_local().clone() for p in made[0][0].parameters()]
-            for model, optimizer in made:
-                model(x * step).square().mean().backward()
-                optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.5), torch.tensor(0.0)
-                (TritonAdamW.triton_step if step == 2 and optimizer is made[0][1] else torch.optim.AdamW.step)(
-                    optimizer
-                )
-                optimizer.zero_grad(set_to_none=True)
-    finally:
-        adamw_kernel.cache_clear()
+    for step in (1, 2):
+        if step == 2:
+            after_step_1 = [p.to_local().clone() for p in made[0][0].parameters()]
+        for model, optimizer in made:
+            model(x * step).square().mean().backward()
+            optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.5), torch.tensor(0.0)
+            (TritonAdamW.triton_step if step == 2 and optimizer is made[0][1] else torch.optim.AdamW.step)(optimizer)
+            optimizer.zero_grad(set_to_none=True)
     (ours_model, ours), (torch_model, torch_s) = made
     assert all(isinstance(p, DTensor) for p in ours_model.parameters())
     for a, b, before in zip(ours_model.parameters(), torch_model.parameters(), after_step_1):
